@@ -1,0 +1,192 @@
+/* CRC32C (Castagnoli, reflected polynomial 0x82F63B78): hardware instructions
+ * where the CPU has them (SSE4.2 on x86-64, the CRC extension on ARMv8),
+ * chosen once at run time, and a portable slicing-by-8 fallback. */
+#include "frk.h"
+
+#include <string.h>
+
+#define POLY 0x82F63B78u
+
+static uint32_t table[8][256];
+static uint32_t shift_table[4][256]; /* multiplies a raw CRC state by x^(8*LANE) */
+
+static void make_tables(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
+        table[0][n] = c;
+    }
+    for (uint32_t n = 0; n < 256; n++)
+        for (int k = 1; k < 8; k++)
+            table[k][n] = (table[k - 1][n] >> 8) ^ table[0][table[k - 1][n] & 0xff];
+}
+
+static inline uint64_t load_le64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+/* Raw state update: no pre- or post-inversion. */
+static uint32_t raw_portable(uint32_t c, const unsigned char *p, size_t n)
+{
+    while (n && ((uintptr_t)p & 7)) {
+        c = (c >> 8) ^ table[0][(c ^ *p++) & 0xff];
+        n--;
+    }
+    while (n >= 8) {
+        uint64_t w = load_le64(p) ^ c;
+        c = table[7][w & 0xff] ^ table[6][(w >> 8) & 0xff] ^ table[5][(w >> 16) & 0xff] ^
+            table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^
+            table[2][(w >> 40) & 0xff] ^ table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        c = (c >> 8) ^ table[0][(c ^ *p++) & 0xff];
+    return c;
+}
+
+/* Three independent streams of LANE bytes hide the instruction's latency;
+ * their states are joined with shift_table.  LANE is a multiple of 8. */
+#define LANE 4096u
+
+static uint32_t shift_state(uint32_t c)
+{
+    return shift_table[0][c & 0xff] ^ shift_table[1][(c >> 8) & 0xff] ^
+           shift_table[2][(c >> 16) & 0xff] ^ shift_table[3][c >> 24];
+}
+
+static void make_shift_table(uint32_t (*raw)(uint32_t, const unsigned char *, size_t))
+{
+    static const unsigned char zeros[LANE];
+    uint32_t bit_image[32];
+    /* Feeding zeros is linear in the state: image of each state bit, then of each byte. */
+    for (int b = 0; b < 32; b++)
+        bit_image[b] = raw(1u << b, zeros, LANE);
+    for (int k = 0; k < 4; k++)
+        for (uint32_t n = 0; n < 256; n++) {
+            uint32_t v = 0;
+            for (int b = 0; b < 8; b++)
+                if (n & (1u << b))
+                    v ^= bit_image[8 * k + b];
+            shift_table[k][n] = v;
+        }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define HAVE_HW 1
+__attribute__((target("sse4.2"))) static uint32_t raw_hw(uint32_t c, const unsigned char *p,
+                                                          size_t n)
+{
+    while (n && ((uintptr_t)p & 7)) {
+        c = _mm_crc32_u8(c, *p++);
+        n--;
+    }
+    uint64_t c0 = c;
+    while (n >= 3 * LANE && shift_table[0][1]) {
+        uint64_t c1 = 0, c2 = 0;
+        const unsigned char *p1 = p + LANE, *p2 = p + 2 * LANE;
+        for (size_t i = 0; i < LANE; i += 8) {
+            c0 = _mm_crc32_u64(c0, load_le64(p + i));
+            c1 = _mm_crc32_u64(c1, load_le64(p1 + i));
+            c2 = _mm_crc32_u64(c2, load_le64(p2 + i));
+        }
+        c0 = shift_state(shift_state((uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;
+        p += 3 * LANE;
+        n -= 3 * LANE;
+    }
+    while (n >= 8) {
+        c0 = _mm_crc32_u64(c0, load_le64(p));
+        p += 8;
+        n -= 8;
+    }
+    c = (uint32_t)c0;
+    while (n--)
+        c = _mm_crc32_u8(c, *p++);
+    return c;
+}
+static int cpu_has_hw(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("sse4.2");
+}
+#define HW_NAME "sse4.2"
+#elif defined(__aarch64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#include <arm_acle.h>
+#include <sys/auxv.h>
+#ifndef HWCAP_CRC32
+#define HWCAP_CRC32 (1 << 7)
+#endif
+#define HAVE_HW 1
+__attribute__((target("+crc"))) static uint32_t raw_hw(uint32_t c, const unsigned char *p,
+                                                        size_t n)
+{
+    while (n && ((uintptr_t)p & 7)) {
+        c = __crc32cb(c, *p++);
+        n--;
+    }
+    while (n >= 3 * LANE && shift_table[0][1]) {
+        uint32_t c1 = 0, c2 = 0;
+        const unsigned char *p1 = p + LANE, *p2 = p + 2 * LANE;
+        for (size_t i = 0; i < LANE; i += 8) {
+            c = __crc32cd(c, load_le64(p + i));
+            c1 = __crc32cd(c1, load_le64(p1 + i));
+            c2 = __crc32cd(c2, load_le64(p2 + i));
+        }
+        c = shift_state(shift_state(c) ^ c1) ^ c2;
+        p += 3 * LANE;
+        n -= 3 * LANE;
+    }
+    while (n >= 8) {
+        c = __crc32cd(c, load_le64(p));
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        c = __crc32cb(c, *p++);
+    return c;
+}
+static int cpu_has_hw(void) { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
+#define HW_NAME "armv8-crc"
+#else
+#define HAVE_HW 0
+#endif
+
+static uint32_t (*raw_impl)(uint32_t, const unsigned char *, size_t);
+static const char *impl_name = "portable";
+
+/* Runs before main (and before any thread of ours), so no lock is needed. */
+__attribute__((constructor)) static void crc32c_init(void)
+{
+    make_tables();
+    raw_impl = raw_portable;
+#if HAVE_HW
+    if (cpu_has_hw()) {
+        /* shift_table is all zeros while it is built, which keeps raw_hw on
+         * its single-stream path (the `shift_table[0][1]` test above). */
+        make_shift_table(raw_hw);
+        raw_impl = raw_hw;
+        impl_name = HW_NAME;
+    }
+#endif
+}
+
+uint32_t frk_crc32c(uint32_t crc, const void *data, size_t len)
+{
+    return ~raw_impl(~crc, (const unsigned char *)data, len);
+}
+
+uint32_t frk_crc32c_portable(uint32_t crc, const void *data, size_t len)
+{
+    return ~raw_portable(~crc, (const unsigned char *)data, len);
+}
+
+const char *frk_crc32c_impl(void) { return impl_name; }

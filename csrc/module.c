@@ -1,0 +1,959 @@
+/* fastai_resume._core: the thin CPython binding over the frk core.
+ *
+ * Writer  encodes a value tree (driven from Python) and commits it, with the
+ *         GIL released, in this thread or in a background thread of its own.
+ * Mapping a private copy-on-write mapping of a checkpoint that exports its
+ *         bytes through the buffer protocol; it cannot be closed while a view
+ *         (and so a loaded tensor) is alive.
+ * Reader  the validated index of a Mapping; builds the Python value tree.
+ * SkipToIter  the resume state machine of csrc/skip.c.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "frk.h"
+
+typedef struct {
+    PyObject *CheckpointError;
+    PyTypeObject *Writer, *Mapping, *Reader, *SkipToIter;
+} core_state;
+
+static core_state *state_of_type(PyTypeObject *t) { return PyType_GetModuleState(t); }
+
+static int no_arguments(const char *name, PyObject *args, PyObject *kw)
+{
+    if (PyTuple_GET_SIZE(args) || (kw && PyDict_GET_SIZE(kw))) {
+        PyErr_Format(PyExc_TypeError, "%s() takes no arguments", name);
+        return 0;
+    }
+    return 1;
+}
+
+/* Raises the Python exception that matches a failed frk call. */
+static PyObject *raise_frk(core_state *st, const frk_error *err)
+{
+    switch (err->status) {
+    case FRK_ECORRUPT:
+        PyErr_SetString(st->CheckpointError, err->msg);
+        break;
+    case FRK_EIO: {
+        PyObject *e = PyObject_CallFunction(PyExc_OSError, "is", err->sys_errno, err->msg);
+        if (e) {
+            PyErr_SetObject((PyObject *)Py_TYPE(e), e);
+            Py_DECREF(e);
+        }
+        break;
+    }
+    case FRK_ENOMEM:
+        PyErr_NoMemory();
+        break;
+    default:
+        PyErr_SetString(PyExc_ValueError, err->msg);
+    }
+    return NULL;
+}
+
+/* ---- Writer ----------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    frk_builder *b;
+    Py_buffer *views;
+    Py_ssize_t n_views, cap_views;
+    /* background commit */
+    pthread_t thread;
+    int thread_started;
+    atomic_int thread_done;
+    int committed;
+    char *path;
+    unsigned flags;
+    uint64_t written;
+    int rc;
+    frk_error err;
+} WriterObject;
+
+static int writer_busy(WriterObject *w)
+{
+    if (w->thread_started || w->committed) {
+        PyErr_SetString(PyExc_RuntimeError, "this Writer has already been committed");
+        return 1;
+    }
+    return 0;
+}
+
+static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    if (!no_arguments("Writer", args, kw))
+        return NULL;
+    WriterObject *w = (WriterObject *)type->tp_alloc(type, 0);
+    if (!w)
+        return NULL;
+    w->b = frk_builder_new();
+    if (!w->b) {
+        Py_DECREF(w);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)w;
+}
+
+static void writer_join(WriterObject *w)
+{
+    if (w->thread_started) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(w->thread, NULL);
+        Py_END_ALLOW_THREADS
+        w->thread_started = 0;
+        w->committed = 1;
+    }
+}
+
+static void writer_release_views(WriterObject *w)
+{
+    for (Py_ssize_t i = 0; i < w->n_views; i++)
+        PyBuffer_Release(&w->views[i]);
+    PyMem_Free(w->views);
+    w->views = NULL;
+    w->n_views = w->cap_views = 0;
+}
+
+static void Writer_dealloc(WriterObject *w)
+{
+    PyTypeObject *tp = Py_TYPE(w);
+    writer_join(w);
+    writer_release_views(w);
+    frk_builder_free(w->b);
+    PyMem_Free(w->path);
+    tp->tp_free(w);
+    Py_DECREF(tp);
+}
+
+#define WRITER_CALL(expr)                                                                   \
+    do {                                                                                    \
+        frk_error err_;                                                                     \
+        if (writer_busy(w))                                                                 \
+            return NULL;                                                                    \
+        if ((expr) != FRK_OK)                                                               \
+            return raise_frk(state_of_type(Py_TYPE(w)), &err_);                             \
+    } while (0)
+#define ERR (&err_)
+
+static PyObject *Writer_add_blob(WriterObject *w, PyObject *obj)
+{
+    if (writer_busy(w))
+        return NULL;
+    if (w->n_views == w->cap_views) {
+        Py_ssize_t cap = w->cap_views ? w->cap_views * 2 : 16;
+        Py_buffer *nv = PyMem_Realloc(w->views, (size_t)cap * sizeof *nv);
+        if (!nv)
+            return PyErr_NoMemory();
+        w->views = nv;
+        w->cap_views = cap;
+    }
+    Py_buffer *v = &w->views[w->n_views];
+    if (PyObject_GetBuffer(obj, v, PyBUF_SIMPLE) < 0)
+        return NULL;
+    uint64_t idx;
+    frk_error err;
+    if (frk_builder_add_blob(w->b, v->buf, (uint64_t)v->len, &idx, &err)) {
+        PyBuffer_Release(v);
+        return raise_frk(state_of_type(Py_TYPE(w)), &err);
+    }
+    w->n_views++;
+    return PyLong_FromUnsignedLongLong(idx);
+}
+
+static int read_dims(PyObject *seq, int64_t *out, Py_ssize_t *n, const char *what)
+{
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (!fast)
+        return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+    if (len > (Py_ssize_t)FRK_MAX_NDIM) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "%s: more than %u dimensions", what, FRK_MAX_NDIM);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        out[i] = v;
+    }
+    *n = len;
+    Py_DECREF(fast);
+    return 0;
+}
+
+static PyObject *Writer_add_tensor(WriterObject *w, PyObject *args)
+{
+    unsigned kind, dtype;
+    unsigned long long blob, offset;
+    PyObject *sizes_o, *strides_o;
+    if (!PyArg_ParseTuple(args, "IIKKOO:add_tensor", &kind, &dtype, &blob, &offset, &sizes_o,
+                          &strides_o))
+        return NULL;
+    int64_t sizes[FRK_MAX_NDIM], strides[FRK_MAX_NDIM];
+    Py_ssize_t nd, nd2;
+    if (read_dims(sizes_o, sizes, &nd, "sizes") || read_dims(strides_o, strides, &nd2, "strides"))
+        return NULL;
+    if (nd != nd2) {
+        PyErr_SetString(PyExc_ValueError, "sizes and strides differ in length");
+        return NULL;
+    }
+    uint64_t idx;
+    WRITER_CALL(frk_builder_add_tensor(w->b, kind, dtype, blob, offset, (unsigned)nd, sizes,
+                                       strides, &idx, ERR));
+    return PyLong_FromUnsignedLongLong(idx);
+}
+
+static PyObject *Writer_none(WriterObject *w, PyObject *Py_UNUSED(a))
+{
+    WRITER_CALL(frk_builder_put_scalar(w->b, FRK_TAG_NONE, ERR));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_bool(WriterObject *w, PyObject *v)
+{
+    int t = PyObject_IsTrue(v);
+    if (t < 0)
+        return NULL;
+    WRITER_CALL(frk_builder_put_scalar(w->b, t ? FRK_TAG_TRUE : FRK_TAG_FALSE, ERR));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_int(WriterObject *w, PyObject *v)
+{
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred())
+        return NULL;
+    if (overflow) {
+        PyErr_SetString(PyExc_OverflowError, "int does not fit in 64 bits");
+        return NULL;
+    }
+    WRITER_CALL(frk_builder_put_int(w->b, x, ERR));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_float(WriterObject *w, PyObject *v)
+{
+    double x = PyFloat_AsDouble(v);
+    if (x == -1.0 && PyErr_Occurred())
+        return NULL;
+    WRITER_CALL(frk_builder_put_float(w->b, x, ERR));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_str(WriterObject *w, PyObject *v)
+{
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(v, &n);
+    if (!s)
+        return NULL;
+    WRITER_CALL(frk_builder_put_str(w->b, FRK_TAG_STR, s, (uint64_t)n, ERR));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_bytes(WriterObject *w, PyObject *v)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(v, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    frk_error err;
+    int rc = writer_busy(w) ? -100
+                            : frk_builder_put_str(w->b, FRK_TAG_BYTES, view.buf, (uint64_t)view.len,
+                                                  &err);
+    PyBuffer_Release(&view);
+    if (rc == -100)
+        return NULL;
+    if (rc)
+        return raise_frk(state_of_type(Py_TYPE(w)), &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *writer_container(WriterObject *w, PyObject *v, frk_tag tag)
+{
+    unsigned long long n = PyLong_AsUnsignedLongLong(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    WRITER_CALL(frk_builder_put_container(w->b, tag, n, ERR));
+    Py_RETURN_NONE;
+}
+static PyObject *Writer_list(WriterObject *w, PyObject *v) { return writer_container(w, v, FRK_TAG_LIST); }
+static PyObject *Writer_tuple(WriterObject *w, PyObject *v) { return writer_container(w, v, FRK_TAG_TUPLE); }
+static PyObject *Writer_dict(WriterObject *w, PyObject *v) { return writer_container(w, v, FRK_TAG_DICT); }
+
+static PyObject *Writer_tensor(WriterObject *w, PyObject *v)
+{
+    unsigned long long i = PyLong_AsUnsignedLongLong(v);
+    if (i == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    WRITER_CALL(frk_builder_put_tensor(w->b, i, ERR));
+    Py_RETURN_NONE;
+}
+
+static int writer_prepare(WriterObject *w, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"path", "fsync", NULL};
+    PyObject *path_o;
+    int do_fsync = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|p", kwlist, PyUnicode_FSConverter, &path_o,
+                                     &do_fsync))
+        return -1;
+    if (writer_busy(w)) {
+        Py_DECREF(path_o);
+        return -1;
+    }
+    const char *p = PyBytes_AS_STRING(path_o);
+    size_t n = strlen(p) + 1;
+    w->path = PyMem_Malloc(n);
+    if (!w->path) {
+        Py_DECREF(path_o);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(w->path, p, n);
+    Py_DECREF(path_o);
+    w->flags = do_fsync ? FRK_COMMIT_FSYNC : 0;
+    return 0;
+}
+
+static PyObject *writer_result(WriterObject *w)
+{
+    PyMem_Free(w->path);
+    w->path = NULL;
+    writer_release_views(w); /* the bytes are on disk: let the tensors go */
+    if (w->rc)
+        return raise_frk(state_of_type(Py_TYPE(w)), &w->err);
+    return PyLong_FromUnsignedLongLong(w->written);
+}
+
+static PyObject *Writer_commit(WriterObject *w, PyObject *args, PyObject *kw)
+{
+    if (writer_prepare(w, args, kw))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    w->rc = frk_builder_commit(w->b, w->path, w->flags, &w->written, &w->err);
+    Py_END_ALLOW_THREADS
+    w->committed = 1;
+    return writer_result(w);
+}
+
+static void *commit_thread(void *arg)
+{
+    WriterObject *w = arg;
+    w->rc = frk_builder_commit(w->b, w->path, w->flags, &w->written, &w->err);
+    atomic_store(&w->thread_done, 1);
+    return NULL;
+}
+
+static PyObject *Writer_commit_async(WriterObject *w, PyObject *args, PyObject *kw)
+{
+    if (writer_prepare(w, args, kw))
+        return NULL;
+    int e = pthread_create(&w->thread, NULL, commit_thread, w);
+    if (e) {
+        PyMem_Free(w->path);
+        w->path = NULL;
+        errno = e;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    w->thread_started = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_wait(WriterObject *w, PyObject *Py_UNUSED(a))
+{
+    if (!w->thread_started) {
+        PyErr_SetString(PyExc_RuntimeError, "no background commit is in flight");
+        return NULL;
+    }
+    writer_join(w);
+    return writer_result(w);
+}
+
+static PyObject *Writer_get_done(WriterObject *w, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(w->committed || atomic_load(&w->thread_done));
+}
+
+static PyMethodDef Writer_methods[] = {
+    {"add_blob", (PyCFunction)Writer_add_blob, METH_O,
+     "add_blob(buffer) -> index. The buffer is held, not copied, until the commit ends."},
+    {"add_tensor", (PyCFunction)Writer_add_tensor, METH_VARARGS,
+     "add_tensor(kind, dtype, blob, storage_offset, sizes, strides) -> index"},
+    {"none", (PyCFunction)Writer_none, METH_NOARGS, NULL},
+    {"bool", (PyCFunction)Writer_bool, METH_O, NULL},
+    {"int", (PyCFunction)Writer_int, METH_O, NULL},
+    {"float", (PyCFunction)Writer_float, METH_O, NULL},
+    {"str", (PyCFunction)Writer_str, METH_O, NULL},
+    {"bytes", (PyCFunction)Writer_bytes, METH_O, NULL},
+    {"list", (PyCFunction)Writer_list, METH_O, "list(n): a list of the next n values"},
+    {"tuple", (PyCFunction)Writer_tuple, METH_O, NULL},
+    {"dict", (PyCFunction)Writer_dict, METH_O, "dict(n): n (key, value) pairs follow"},
+    {"tensor", (PyCFunction)Writer_tensor, METH_O, "tensor(index): a reference to a tensor"},
+    {"commit", (PyCFunction)(void (*)(void))Writer_commit, METH_VARARGS | METH_KEYWORDS,
+     "commit(path, fsync=True) -> bytes written. Atomic; the GIL is released."},
+    {"commit_async", (PyCFunction)(void (*)(void))Writer_commit_async,
+     METH_VARARGS | METH_KEYWORDS, "commit_async(path, fsync=True): commit in a C thread."},
+    {"wait", (PyCFunction)Writer_wait, METH_NOARGS,
+     "wait() -> bytes written: joins a background commit and raises its error."},
+    {NULL},
+};
+
+static PyGetSetDef Writer_getset[] = {
+    {"done", (getter)Writer_get_done, NULL, "True once the commit has finished", NULL},
+    {NULL},
+};
+
+static PyType_Slot Writer_slots[] = {
+    {Py_tp_new, Writer_new},
+    {Py_tp_dealloc, Writer_dealloc},
+    {Py_tp_methods, Writer_methods},
+    {Py_tp_getset, Writer_getset},
+    {Py_tp_doc, "Writer(): encodes one checkpoint, then commits it atomically."},
+    {0, NULL},
+};
+
+static PyType_Spec Writer_spec = {"fastai_resume._core.Writer", sizeof(WriterObject), 0,
+                                  Py_TPFLAGS_DEFAULT, Writer_slots};
+
+/* ---- Mapping ----------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    uint8_t *base;
+    size_t len;
+    Py_ssize_t exports;
+} MappingObject;
+
+static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"path", NULL};
+    PyObject *path_o;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&:Mapping", kwlist, PyUnicode_FSConverter,
+                                     &path_o))
+        return NULL;
+    MappingObject *m = (MappingObject *)type->tp_alloc(type, 0);
+    if (!m) {
+        Py_DECREF(path_o);
+        return NULL;
+    }
+    frk_error err;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = frk_map_file(PyBytes_AS_STRING(path_o), &m->base, &m->len, &err);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path_o);
+    if (rc) {
+        Py_DECREF(m);
+        return raise_frk(state_of_type(type), &err);
+    }
+    return (PyObject *)m;
+}
+
+static void Mapping_dealloc(MappingObject *m)
+{
+    PyTypeObject *tp = Py_TYPE(m);
+    frk_unmap(m->base, m->len);
+    tp->tp_free(m);
+    Py_DECREF(tp);
+}
+
+static int Mapping_getbuffer(MappingObject *m, Py_buffer *view, int flags)
+{
+    if (!m->base) {
+        PyErr_SetString(PyExc_ValueError, "mapping is closed");
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)m, m->base, (Py_ssize_t)m->len, 0, flags) < 0)
+        return -1;
+    m->exports++;
+    return 0;
+}
+
+static void Mapping_releasebuffer(MappingObject *m, Py_buffer *Py_UNUSED(view)) { m->exports--; }
+
+static PyObject *Mapping_close(MappingObject *m, PyObject *Py_UNUSED(a))
+{
+    if (m->exports > 0) {
+        PyErr_Format(PyExc_BufferError, "cannot close: %zd views of the checkpoint are alive",
+                     m->exports);
+        return NULL;
+    }
+    frk_unmap(m->base, m->len);
+    m->base = NULL;
+    m->len = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Mapping_get_size(MappingObject *m, void *Py_UNUSED(c))
+{
+    return PyLong_FromSize_t(m->len);
+}
+static PyObject *Mapping_get_exports(MappingObject *m, void *Py_UNUSED(c))
+{
+    return PyLong_FromSsize_t(m->exports);
+}
+
+static PyMethodDef Mapping_methods[] = {
+    {"close", (PyCFunction)Mapping_close, METH_NOARGS, "Unmap; refused while views are alive."},
+    {NULL},
+};
+static PyGetSetDef Mapping_getset[] = {
+    {"size", (getter)Mapping_get_size, NULL, "bytes mapped", NULL},
+    {"exports", (getter)Mapping_get_exports, NULL, "buffer views alive", NULL},
+    {NULL},
+};
+static PyType_Slot Mapping_slots[] = {
+    {Py_tp_new, Mapping_new},
+    {Py_tp_dealloc, Mapping_dealloc},
+    {Py_tp_methods, Mapping_methods},
+    {Py_tp_getset, Mapping_getset},
+    {Py_bf_getbuffer, Mapping_getbuffer},
+    {Py_bf_releasebuffer, Mapping_releasebuffer},
+    {Py_tp_doc, "Mapping(path): a private copy-on-write mapping of a file."},
+    {0, NULL},
+};
+static PyType_Spec Mapping_spec = {"fastai_resume._core.Mapping", sizeof(MappingObject), 0,
+                                   Py_TPFLAGS_DEFAULT, Mapping_slots};
+
+/* ---- Reader ------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view; /* holds the mapping (or any bytes-like) alive */
+    frk_reader *r;
+} ReaderObject;
+
+static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"data", "verify", NULL};
+    PyObject *data;
+    int verify = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|p:Reader", kwlist, &data, &verify))
+        return NULL;
+    ReaderObject *ro = (ReaderObject *)type->tp_alloc(type, 0);
+    if (!ro)
+        return NULL;
+    if (PyObject_GetBuffer(data, &ro->view, PyBUF_SIMPLE) < 0) {
+        ro->view.obj = NULL;
+        Py_DECREF(ro);
+        return NULL;
+    }
+    frk_error err;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = frk_reader_open(ro->view.buf, (size_t)ro->view.len, verify, &ro->r, &err);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        Py_DECREF(ro);
+        return raise_frk(state_of_type(type), &err);
+    }
+    return (PyObject *)ro;
+}
+
+static void Reader_dealloc(ReaderObject *ro)
+{
+    PyTypeObject *tp = Py_TYPE(ro);
+    frk_reader_free(ro->r);
+    if (ro->view.obj)
+        PyBuffer_Release(&ro->view);
+    tp->tp_free(ro);
+    Py_DECREF(tp);
+}
+
+static PyObject *Reader_blobs(ReaderObject *ro, PyObject *Py_UNUSED(a))
+{
+    size_t n = frk_reader_blob_count(ro->r);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        const frk_blob *b = frk_reader_blob(ro->r, i);
+        PyObject *t = Py_BuildValue("KKI", (unsigned long long)b->offset,
+                                    (unsigned long long)b->length, (unsigned)b->crc);
+        if (!t) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    return out;
+}
+
+static PyObject *dims_tuple(const int64_t *d, unsigned n)
+{
+    PyObject *t = PyTuple_New(n);
+    for (unsigned i = 0; t && i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(d[i]);
+        if (!v) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return t;
+}
+
+static PyObject *Reader_tensors(ReaderObject *ro, PyObject *Py_UNUSED(a))
+{
+    size_t n = frk_reader_tensor_count(ro->r);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        const frk_tensor *t = frk_reader_tensor(ro->r, i);
+        PyObject *sz = dims_tuple(t->sizes, t->ndim), *stv = dims_tuple(t->strides, t->ndim);
+        PyObject *e = sz && stv ? Py_BuildValue("IIKKOO", (unsigned)t->kind, (unsigned)t->dtype,
+                                                (unsigned long long)t->blob,
+                                                (unsigned long long)t->storage_offset, sz, stv)
+                                : NULL;
+        Py_XDECREF(sz);
+        Py_XDECREF(stv);
+        if (!e) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, e);
+    }
+    return out;
+}
+
+static PyObject *build(ReaderObject *ro, const frk_node *nodes, size_t *i, PyObject *make_tensor)
+{
+    const frk_node *nd = &nodes[(*i)++];
+    switch (nd->tag) {
+    case FRK_TAG_NONE:
+        Py_RETURN_NONE;
+    case FRK_TAG_FALSE:
+        Py_RETURN_FALSE;
+    case FRK_TAG_TRUE:
+        Py_RETURN_TRUE;
+    case FRK_TAG_INT:
+        return PyLong_FromLongLong(nd->ival);
+    case FRK_TAG_FLOAT:
+        return PyFloat_FromDouble(nd->fval);
+    case FRK_TAG_STR:
+        return PyUnicode_DecodeUTF8((const char *)nd->data, (Py_ssize_t)nd->count, "strict");
+    case FRK_TAG_BYTES:
+        return PyBytes_FromStringAndSize((const char *)nd->data, (Py_ssize_t)nd->count);
+    case FRK_TAG_TENSOR: {
+        PyObject *idx = PyLong_FromUnsignedLongLong(nd->count);
+        if (!idx)
+            return NULL;
+        PyObject *t = PyObject_CallOneArg(make_tensor, idx);
+        Py_DECREF(idx);
+        return t;
+    }
+    case FRK_TAG_LIST:
+    case FRK_TAG_TUPLE: {
+        int is_list = nd->tag == FRK_TAG_LIST;
+        PyObject *c = is_list ? PyList_New((Py_ssize_t)nd->count) : PyTuple_New((Py_ssize_t)nd->count);
+        for (uint64_t k = 0; c && k < nd->count; k++) {
+            PyObject *v = build(ro, nodes, i, make_tensor);
+            if (!v) {
+                Py_CLEAR(c);
+                break;
+            }
+            if (is_list)
+                PyList_SET_ITEM(c, (Py_ssize_t)k, v);
+            else
+                PyTuple_SET_ITEM(c, (Py_ssize_t)k, v);
+        }
+        return c;
+    }
+    case FRK_TAG_DICT: {
+        PyObject *d = PyDict_New();
+        for (uint64_t k = 0; d && k < nd->count; k++) {
+            PyObject *key = build(ro, nodes, i, make_tensor);
+            PyObject *v = key ? build(ro, nodes, i, make_tensor) : NULL;
+            if (!v || PyDict_SetItem(d, key, v) < 0)
+                Py_CLEAR(d);
+            Py_XDECREF(key);
+            Py_XDECREF(v);
+        }
+        if (d && (uint64_t)PyDict_GET_SIZE(d) != nd->count) {
+            PyErr_SetString(state_of_type(Py_TYPE(ro))->CheckpointError,
+                            "a dict in the value tree repeats a key");
+            Py_CLEAR(d);
+        }
+        return d;
+    }
+    }
+    PyErr_SetString(PyExc_SystemError, "unvalidated node in the value tree");
+    return NULL;
+}
+
+static PyObject *Reader_tree(ReaderObject *ro, PyObject *make_tensor)
+{
+    if (!PyCallable_Check(make_tensor)) {
+        PyErr_SetString(PyExc_TypeError, "tree(make_tensor): make_tensor must be callable");
+        return NULL;
+    }
+    size_t i = 0;
+    return build(ro, frk_reader_nodes(ro->r), &i, make_tensor);
+}
+
+static PyObject *Reader_verify_blob(ReaderObject *ro, PyObject *v)
+{
+    size_t i = PyLong_AsSize_t(v);
+    if (i == (size_t)-1 && PyErr_Occurred())
+        return NULL;
+    frk_error err;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = frk_reader_verify_blob(ro->r, i, &err);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return raise_frk(state_of_type(Py_TYPE(ro)), &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_get_version(ReaderObject *ro, void *Py_UNUSED(c))
+{
+    return PyLong_FromUnsignedLong(frk_reader_version(ro->r));
+}
+
+static PyMethodDef Reader_methods[] = {
+    {"blobs", (PyCFunction)Reader_blobs, METH_NOARGS, "[(offset, length, crc32c)]"},
+    {"tensors", (PyCFunction)Reader_tensors, METH_NOARGS,
+     "[(kind, dtype, blob, storage_offset, sizes, strides)]"},
+    {"tree", (PyCFunction)Reader_tree, METH_O,
+     "tree(make_tensor) -> the value tree; make_tensor(i) builds tensor i"},
+    {"verify_blob", (PyCFunction)Reader_verify_blob, METH_O, "verify_blob(i): check its CRC32C"},
+    {NULL},
+};
+static PyGetSetDef Reader_getset[] = {
+    {"version", (getter)Reader_get_version, NULL, "format version", NULL},
+    {NULL},
+};
+static PyType_Slot Reader_slots[] = {
+    {Py_tp_new, Reader_new},
+    {Py_tp_dealloc, Reader_dealloc},
+    {Py_tp_methods, Reader_methods},
+    {Py_tp_getset, Reader_getset},
+    {Py_tp_doc, "Reader(data, verify=True): validates a checkpoint image (a Mapping or bytes)."},
+    {0, NULL},
+};
+static PyType_Spec Reader_spec = {"fastai_resume._core.Reader", sizeof(ReaderObject), 0,
+                                  Py_TPFLAGS_DEFAULT, Reader_slots};
+
+/* ---- SkipToIter --------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    frk_skip s;
+} SkipObject;
+
+static PyObject *Skip_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    if (!no_arguments("SkipToIter", args, kw))
+        return NULL;
+    SkipObject *o = (SkipObject *)type->tp_alloc(type, 0);
+    if (o)
+        frk_skip_disarm(&o->s);
+    return (PyObject *)o;
+}
+
+static void Skip_dealloc(SkipObject *o)
+{
+    PyTypeObject *tp = Py_TYPE(o);
+    tp->tp_free(o);
+    Py_DECREF(tp);
+}
+
+static PyObject *Skip_arm(SkipObject *o, PyObject *args)
+{
+    long long e, i, ne, ni;
+    if (!PyArg_ParseTuple(args, "LLLL:arm", &e, &i, &ne, &ni))
+        return NULL;
+    frk_error err;
+    if (frk_skip_arm(&o->s, e, i, ne, ni, &err))
+        return raise_frk(state_of_type(Py_TYPE(o)), &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Skip_before_epoch(SkipObject *o, PyObject *v)
+{
+    long long e = PyLong_AsLongLong(v);
+    if (e == -1 && PyErr_Occurred())
+        return NULL;
+    frk_skip_step st = frk_skip_before_epoch(&o->s, e);
+    return Py_BuildValue("iiL", st.action, st.rng, (long long)st.first_iter);
+}
+
+static PyObject *Skip_take_rng(SkipObject *o, PyObject *Py_UNUSED(a))
+{
+    return PyBool_FromLong(frk_skip_take_rng(&o->s));
+}
+
+static PyObject *Skip_after_epoch(SkipObject *o, PyObject *v)
+{
+    long long e = PyLong_AsLongLong(v);
+    if (e == -1 && PyErr_Occurred())
+        return NULL;
+    frk_skip_after_epoch(&o->s, e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Skip_disarm(SkipObject *o, PyObject *Py_UNUSED(a))
+{
+    frk_skip_disarm(&o->s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Skip_get_pending(SkipObject *o, void *Py_UNUSED(c))
+{
+    return PyBool_FromLong(frk_skip_pending(&o->s));
+}
+static PyObject *Skip_get_target(SkipObject *o, void *Py_UNUSED(c))
+{
+    return Py_BuildValue("LL", (long long)o->s.epoch, (long long)o->s.iter);
+}
+
+static PyMethodDef Skip_methods[] = {
+    {"arm", (PyCFunction)Skip_arm, METH_VARARGS, "arm(epoch, iter, n_epoch, n_iter)"},
+    {"disarm", (PyCFunction)Skip_disarm, METH_NOARGS, NULL},
+    {"before_epoch", (PyCFunction)Skip_before_epoch, METH_O,
+     "before_epoch(epoch) -> (action, rng_action, first_iter)"},
+    {"take_rng", (PyCFunction)Skip_take_rng, METH_NOARGS,
+     "True exactly once, when the saved mid-epoch RNG state is due"},
+    {"after_epoch", (PyCFunction)Skip_after_epoch, METH_O, NULL},
+    {NULL},
+};
+static PyGetSetDef Skip_getset[] = {
+    {"pending", (getter)Skip_get_pending, NULL, "the resume still has work to do", NULL},
+    {"target", (getter)Skip_get_target, NULL, "(epoch, iter)", NULL},
+    {NULL},
+};
+static PyType_Slot Skip_slots[] = {
+    {Py_tp_new, Skip_new},
+    {Py_tp_dealloc, Skip_dealloc},
+    {Py_tp_methods, Skip_methods},
+    {Py_tp_getset, Skip_getset},
+    {Py_tp_doc, "SkipToIter(): the resume state machine (csrc/skip.c)."},
+    {0, NULL},
+};
+static PyType_Spec Skip_spec = {"fastai_resume._core.SkipToIter", sizeof(SkipObject), 0,
+                                Py_TPFLAGS_DEFAULT, Skip_slots};
+
+/* ---- module functions ------------------------------------------------------------ */
+
+static PyObject *core_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer v;
+    unsigned int crc = 0;
+    if (!PyArg_ParseTuple(args, "y*|I:crc32c", &v, &crc))
+        return NULL;
+    uint32_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = frk_crc32c(crc, v.buf, (size_t)v.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v);
+    return PyLong_FromUnsignedLong(r);
+}
+
+static PyObject *core_has_magic(PyObject *Py_UNUSED(m), PyObject *arg)
+{
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int r = frk_has_magic(v.buf, (size_t)v.len);
+    PyBuffer_Release(&v);
+    return PyBool_FromLong(r);
+}
+
+static PyObject *core_skip_plan(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    int has_saved;
+    long long se, si, e0, i0;
+    if (!PyArg_ParseTuple(args, "pLLLL:skip_plan", &has_saved, &se, &si, &e0, &i0))
+        return NULL;
+    int64_t e, i;
+    if (!frk_skip_plan(has_saved, se, si, e0, i0, &e, &i))
+        Py_RETURN_NONE;
+    return Py_BuildValue("LL", (long long)e, (long long)i);
+}
+
+static PyObject *core_dtype_size(PyObject *Py_UNUSED(m), PyObject *v)
+{
+    long c = PyLong_AsLong(v);
+    if (c == -1 && PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSize_t(c < 0 ? 0 : frk_dtype_size((unsigned)c));
+}
+
+static PyMethodDef core_methods[] = {
+    {"crc32c", core_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int"},
+    {"has_magic", core_has_magic, METH_O, "has_magic(head) -> bool: this format's magic bytes?"},
+    {"skip_plan", core_skip_plan, METH_VARARGS,
+     "skip_plan(has_saved, saved_epoch, saved_iter, start_epoch, start_iter) -> (epoch, iter) "
+     "or None; negative start values mean not given"},
+    {"dtype_size", core_dtype_size, METH_O, "dtype_size(code) -> bytes per element (0: unknown)"},
+    {NULL},
+};
+
+static int core_exec(PyObject *m)
+{
+    core_state *st = PyModule_GetState(m);
+    st->CheckpointError = PyErr_NewExceptionWithDoc(
+        "fastai_resume.CheckpointError",
+        "A checkpoint file is damaged, truncated, hostile or not a checkpoint.",
+        PyExc_ValueError, NULL);
+    if (!st->CheckpointError || PyModule_AddObjectRef(m, "CheckpointError", st->CheckpointError))
+        return -1;
+#define ADD_TYPE(field, spec)                                                                \
+    st->field = (PyTypeObject *)PyType_FromModuleAndSpec(m, &spec, NULL);                   \
+    if (!st->field || PyModule_AddType(m, st->field))                                       \
+        return -1;
+    ADD_TYPE(Writer, Writer_spec);
+    ADD_TYPE(Mapping, Mapping_spec);
+    ADD_TYPE(Reader, Reader_spec);
+    ADD_TYPE(SkipToIter, Skip_spec);
+#undef ADD_TYPE
+    if (PyModule_AddStringConstant(m, "crc32c_impl", frk_crc32c_impl()) ||
+        PyModule_AddIntConstant(m, "FORMAT_VERSION", FRK_FORMAT_VERSION) ||
+        PyModule_AddIntConstant(m, "BLOB_ALIGN", FRK_BLOB_ALIGN) ||
+        PyModule_AddIntConstant(m, "MAX_DEPTH", FRK_MAX_DEPTH))
+        return -1;
+    return 0;
+}
+
+static int core_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    core_state *st = PyModule_GetState(m);
+    Py_VISIT(st->CheckpointError);
+    Py_VISIT(st->Writer);
+    Py_VISIT(st->Mapping);
+    Py_VISIT(st->Reader);
+    Py_VISIT(st->SkipToIter);
+    return 0;
+}
+
+static int core_clear(PyObject *m)
+{
+    core_state *st = PyModule_GetState(m);
+    Py_CLEAR(st->CheckpointError);
+    Py_CLEAR(st->Writer);
+    Py_CLEAR(st->Mapping);
+    Py_CLEAR(st->Reader);
+    Py_CLEAR(st->SkipToIter);
+    return 0;
+}
+
+static void core_free(void *m) { core_clear((PyObject *)m); }
+
+static PyModuleDef_Slot core_slots[] = {
+    {Py_mod_exec, core_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT, "fastai_resume._core",
+    "The C core of fastai_resume: checkpoint format, CRC32C, atomic commit, SkipToIter.",
+    sizeof(core_state), core_methods, core_slots, core_traverse, core_clear, core_free,
+};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&core_module); }

@@ -1,0 +1,211 @@
+"""Pickle-free save and load of a value tree of Python values, torch tensors and NumPy arrays.
+
+This is the only module that talks to the C writer and reader; everything above it deals in
+plain trees (`state`), never in bytes.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from . import _core
+from ._core import CheckpointError
+
+__all__ = ["save", "load", "CheckpointError", "is_checkpoint", "EXT", "info"]
+
+EXT = ".frk"  # the file extension of this format (a plain torch.load user never meets it)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_TORCH, _NUMPY = 0, 1
+
+# The format's dtype codes (csrc/frk.h: frk_dtype). Never renumber.
+_TORCH_DTYPES = {
+    "bool": 0, "uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint16": 6,
+    "uint32": 7, "uint64": 8, "float16": 9, "bfloat16": 10, "float32": 11, "float64": 12,
+    "complex32": 13, "complex64": 14, "complex128": 15, "float8_e4m3fn": 16,
+    "float8_e5m2": 17, "float8_e4m3fnuz": 18, "float8_e5m2fnuz": 19, "float8_e8m0fnu": 20,
+}
+TORCH_CODE = {getattr(torch, n): c for n, c in _TORCH_DTYPES.items() if hasattr(torch, n)}
+TORCH_DTYPE = {c: d for d, c in TORCH_CODE.items()}
+NUMPY_CODE = {np.dtype(n): c for n, c in _TORCH_DTYPES.items()
+              if n in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32",
+                       "uint64", "float16", "float32", "float64", "complex64", "complex128")}
+NUMPY_DTYPE = {c: d for d, c in NUMPY_CODE.items()}
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+class _Encoder:
+    "Walks a value tree once, feeding the C writer; tensors sharing storage share one blob."
+
+    def __init__(self, writer: _core.Writer):
+        self.w = writer
+        self.blobs: dict = {}    # storage key -> blob index
+        self.tensors: dict = {}  # id(tensor) -> tensor index
+        self.seen: list = []     # keeps tensors alive so their ids stay unique during the walk
+
+    def value(self, v: Any, path: str) -> None:
+        w = self.w
+        if v is None: w.none()
+        elif v is True or v is False: w.bool(v)
+        elif isinstance(v, int):
+            if not _INT64[0] <= v <= _INT64[1]:
+                raise TypeError(f"{path or 'value'}: int {v} does not fit in 64 bits")
+            w.int(v)
+        elif isinstance(v, float): w.float(v)
+        elif isinstance(v, str): w.str(v)
+        elif isinstance(v, (bytes, bytearray)): w.bytes(v)
+        elif isinstance(v, torch.Tensor): w.tensor(self.torch_tensor(v, path))
+        elif isinstance(v, np.ndarray): w.tensor(self.numpy_array(v, path))
+        elif isinstance(v, dict):
+            w.dict(len(v))
+            for k, x in v.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise TypeError(f"{path or 'value'}: dict key {k!r} ({type(k).__name__}) is not "
+                                    "storable: keys must be str or int")
+                self.value(k, path)
+                self.value(x, f"{path}[{k!r}]")
+        elif isinstance(v, (list, tuple)):
+            (w.tuple if isinstance(v, tuple) else w.list)(len(v))
+            for i, x in enumerate(v): self.value(x, f"{path}[{i}]")
+        else:
+            raise TypeError(f"{path or 'value'}: {type(v).__module__}.{type(v).__qualname__} is not "
+                            "storable (None, bool, int, float, str, bytes, list, tuple, dict, "
+                            "torch.Tensor and numpy.ndarray are)")
+
+    def torch_tensor(self, t: torch.Tensor, path: str) -> int:
+        if id(t) in self.tensors: return self.tensors[id(t)]
+        if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
+            raise TypeError(f"{path}: a {t.layout} tensor is not storable (dense tensors are)")
+        code = TORCH_CODE.get(t.dtype)
+        if code is None: raise TypeError(f"{path}: tensor dtype {t.dtype} is not storable")
+        src = t
+        t = t.detach()
+        if t.is_conj(): t = t.resolve_conj()
+        if t.is_neg(): t = t.resolve_neg()
+        if t.device.type != "cpu": t = t.cpu()
+        if any(s < 0 for s in t.stride()): t = t.contiguous()
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        blob = self.blobs.get(key)
+        if blob is None:
+            if st.nbytes():
+                raw = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
+            else:
+                raw = b""
+            blob = self.blobs[key] = self.w.add_blob(raw)
+        idx = self.w.add_tensor(_TORCH, code, blob, t.storage_offset(), tuple(t.shape), t.stride())
+        self.tensors[id(src)] = idx
+        self.seen.append(src)
+        return idx
+
+    def numpy_array(self, a: np.ndarray, path: str) -> int:
+        if id(a) in self.tensors: return self.tensors[id(a)]
+        code = NUMPY_CODE.get(a.dtype)
+        if code is None or not a.dtype.isnative:
+            raise TypeError(f"{path}: numpy dtype {a.dtype} is not storable")
+        c = np.ascontiguousarray(a)
+        self.seen.append(a)
+        blob = self.w.add_blob(c.reshape(-1).view(np.uint8) if c.size else b"")
+        strides = tuple(s // c.itemsize for s in c.strides) if c.size else (0,) * c.ndim
+        idx = self.w.add_tensor(_NUMPY, code, blob, 0, c.shape, strides)
+        self.tensors[id(a)] = idx
+        return idx
+
+
+def encode(tree: Any) -> _core.Writer:
+    """A Writer holding `tree`, ready to commit. It holds the tensors' memory (not copies):
+    the caller keeps them unchanged until the commit ends."""
+    w = _core.Writer()
+    _Encoder(w).value(tree, "")
+    return w
+
+
+def save(tree: Any, path: PathLike, fsync: bool = True) -> int:
+    """Save `tree` to `path` atomically and durably; returns the bytes written.
+
+    On any failure (an unstorable value, a full disk) the file previously at `path` is untouched.
+    """
+    w = encode(tree)
+    return w.commit(os.fspath(path), fsync=fsync)
+
+
+def _decoder(mapping, reader):
+    mv = memoryview(mapping)
+    blobs, tensors = reader.blobs(), reader.tensors()
+    storages: dict = {}
+    made: dict = {}
+
+    def make(i: int):
+        if i in made: return made[i]
+        kind, code, b, off, sizes, strides = tensors[i]
+        o, n, _ = blobs[b]
+        if kind == _TORCH:
+            dtype = TORCH_DTYPE.get(code)
+            if dtype is None:
+                raise CheckpointError(f"tensor {i} has dtype code {code}, which this torch lacks")
+            st = storages.get(b)
+            if st is None:
+                st = storages[b] = (torch.frombuffer(mv[o:o + n], dtype=torch.uint8) if n
+                                    else torch.empty(0, dtype=torch.uint8)).untyped_storage()
+            t = torch.empty(0, dtype=dtype).set_(st, off, sizes, strides)
+        else:
+            dtype = NUMPY_DTYPE.get(code)
+            if dtype is None: raise CheckpointError(f"array {i} has dtype code {code}, not a NumPy dtype")
+            if n == 0 or 0 in sizes: t = np.empty(sizes, dtype=dtype)
+            else:
+                t = np.ndarray(sizes, dtype=dtype, buffer=mv[o:o + n], offset=off * dtype.itemsize,
+                               strides=tuple(s * dtype.itemsize for s in strides))
+        made[i] = t
+        return t
+    return make
+
+
+def load(path: PathLike, verify: bool = True) -> Any:
+    """Load a checkpoint saved by `save`: the value tree, with tensors as views over a private
+    copy-on-write mapping of the file (no copy; writing to them never changes the file).
+
+    `verify=False` skips the blobs' checksums (never the index's). Any defect raises
+    `CheckpointError`; no code from the file is ever run.
+    """
+    m = _core.Mapping(os.fspath(path))
+    try:
+        r = _core.Reader(m, verify=verify)
+        return r.tree(_decoder(m, r))
+    except CheckpointError as e:
+        raise CheckpointError(f"{os.fspath(path)}: {e}") from None
+
+
+def is_checkpoint(path: PathLike) -> bool:
+    "True if the file starts with this format's magic bytes (the name is never looked at)."
+    try:
+        with open(path, "rb") as f: return _core.has_magic(f.read(8))
+    except (FileNotFoundError, IsADirectoryError):
+        return False
+
+
+def info(path: PathLike, verify: bool = True) -> dict:
+    "Format facts of a checkpoint without building its tensors: version, blobs, tensor table."
+    m = _core.Mapping(os.fspath(path))
+    try:
+        r = _core.Reader(m, verify=verify)
+    except CheckpointError as e:
+        raise CheckpointError(f"{os.fspath(path)}: {e}") from None
+    return {"version": r.version, "size": m.size, "blobs": r.blobs(), "tensors": r.tensors(),
+            "tree": r.tree(lambda i: _TensorRef(i, r.tensors()[i]))}
+
+
+class _TensorRef:
+    "A tensor's entry in the table, standing in for the tensor when only its description is wanted."
+    def __init__(self, i, entry):
+        self.index, (self.kind, self.code, self.blob, self.offset, self.shape, self.strides) = i, entry
+
+    @property
+    def dtype(self):
+        return (TORCH_DTYPE if self.kind == _TORCH else NUMPY_DTYPE).get(self.code, f"code {self.code}")
+
+    def __repr__(self): return f"<tensor {self.dtype} {list(self.shape)}>"

@@ -1,0 +1,15 @@
+"""Builds the one C extension, fastai_resume._core, from csrc/ (the rest is in pyproject.toml)."""
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "fastai_resume._core",
+            sources=["csrc/module.c", "csrc/format.c", "csrc/crc32c.c", "csrc/skip.c"],
+            depends=["csrc/frk.h"],
+            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers",
+                                "-Wno-cast-function-type"],
+            libraries=["pthread"],
+        )
+    ]
+)
