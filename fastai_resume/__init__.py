@@ -4,6 +4,7 @@
 wrappers) on the installed fastai; nothing else in the user's code changes.
 """
 from .io import CheckpointError, EXT, info, is_checkpoint, load, save
+from .learner import ResumeCallback
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "EXT", "info", "is_checkpoint", "load", "save"]
+__all__ = ["CheckpointError", "EXT", "ResumeCallback", "info", "is_checkpoint", "load", "save"]

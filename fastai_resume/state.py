@@ -1,0 +1,128 @@
+"""Training state that decides what the next step computes, as plain trees, and back.
+
+Every piece here is captured into a tree `fastai_resume.io` can store (no pickle) and restored
+from one: RNG states, DataLoader shuffling state, the Recorder, and the state of the callbacks
+whose counters change the result (trackers, MixedPrecision's GradScaler, GradientAccumulation),
+plus any callback that offers the `resume_state` / `load_resume_state` hook.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["plain", "rng_state", "set_rng_state", "dl_states", "set_dl_states", "recorder_state",
+           "set_recorder_state", "callback_states", "set_callback_states", "cb_key"]
+
+
+def plain(v: Any) -> Any:
+    "`v` with fastai/NumPy containers and scalars turned into the storable base types."
+    if isinstance(v, np.generic): return v.item()
+    if isinstance(v, dict): return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, tuple): return tuple(plain(x) for x in v)
+    if isinstance(v, list) or type(v).__name__ == "L": return [plain(x) for x in v]
+    return v
+
+
+def _py_rng(s) -> Any: return (s[0], tuple(s[1]), s[2])
+
+
+def rng_state() -> dict:
+    "The global RNG states: Python, NumPy, torch CPU and every CUDA device."
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    st = {"python": _py_rng(random.getstate()),
+          "numpy": (kind, keys, int(pos), int(has_gauss), float(gauss)),
+          "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = list(torch.cuda.get_rng_state_all())
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    random.setstate((st["python"][0], tuple(st["python"][1]), st["python"][2]))
+    kind, keys, pos, has_gauss, gauss = st["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(st["torch"].clone())
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.clone() for t in st["cuda"]])
+
+
+def dl_states(dls) -> list:
+    "The shuffling RNG of each DataLoader in `dls` (`None` where a loader has none)."
+    return [_py_rng(dl.rng.getstate()) if hasattr(dl, "rng") else None for dl in dls.loaders]
+
+
+def set_dl_states(dls, states: list) -> None:
+    for dl, s in zip(dls.loaders, states):
+        if s is not None and hasattr(dl, "rng"): dl.rng.setstate((s[0], tuple(s[1]), s[2]))
+
+
+def recorder_state(rec) -> dict:
+    sm = rec.smooth_loss
+    return {"lrs": plain(rec.lrs), "iters": plain(rec.iters), "losses": list(rec.losses),
+            "values": plain(rec.values), "smooth_count": sm.count, "smooth_val": sm.val,
+            "hps": plain(getattr(rec, "hps", None))}
+
+
+def set_recorder_state(learn, st: dict) -> None:
+    rec = learn.recorder
+    from fastcore.foundation import L
+    rec.lrs, rec.iters, rec.losses = list(st["lrs"]), list(st["iters"]), list(st["losses"])
+    rec.values = [L(v) for v in st["values"]]
+    rec.smooth_loss.count, rec.smooth_loss.val = st["smooth_count"], st["smooth_val"]
+    if rec.smooth_loss.count: learn.smooth_loss = rec.smooth_loss.value
+    if rec.values: learn.final_record = rec.values[-1].copy()
+
+
+def cb_key(cbs, cb) -> str:
+    "A name for `cb` that stays the same when the learner is built the same way again."
+    same = [c for c in cbs if type(c) is type(cb)]
+    return cb.name if len(same) == 1 else f"{cb.name}_{same.index(cb)}"
+
+
+def _builtin_state(cb) -> Any:
+    from fastai.callback.fp16 import MixedPrecision
+    from fastai.callback.schedule import ParamScheduler
+    from fastai.callback.tracker import TrackerCallback
+    from fastai.callback.training import GradientAccumulation
+    if isinstance(cb, TrackerCallback):
+        return {k: plain(getattr(cb, k)) for k in ("best", "wait", "new_best") if hasattr(cb, k)}
+    if isinstance(cb, GradientAccumulation): return {"count": getattr(cb, "count", 0)}
+    if isinstance(cb, MixedPrecision) and hasattr(cb.learn, "scaler"):
+        return {"scaler": plain(cb.learn.scaler.state_dict()), "scales": plain(getattr(cb, "scales", []))}
+    if isinstance(cb, ParamScheduler) and hasattr(cb, "hps"): return {"hps": plain(cb.hps)}
+    return None
+
+
+def _set_builtin_state(cb, st) -> None:
+    from fastai.callback.fp16 import MixedPrecision
+    from fastai.callback.schedule import ParamScheduler
+    from fastai.callback.training import GradientAccumulation
+    from fastcore.foundation import L
+    if isinstance(cb, MixedPrecision):
+        cb.learn.scaler.load_state_dict(st["scaler"])
+        cb.scales = L(st["scales"])
+    elif isinstance(cb, ParamScheduler): cb.hps = {k: list(v) for k, v in st["hps"].items()}
+    elif isinstance(cb, GradientAccumulation): cb.count = st["count"]
+    else:
+        for k, v in st.items(): setattr(cb, k, v)
+
+
+def callback_states(learn) -> dict:
+    """State of the callbacks that change the result. A callback of the user's joins in by
+    defining `resume_state(self) -> tree` and `load_resume_state(self, tree)`."""
+    out = {}
+    for cb in learn.cbs:
+        st = cb.resume_state() if hasattr(cb, "resume_state") else _builtin_state(cb)
+        if st is not None: out[cb_key(learn.cbs, cb)] = plain(st)
+    return out
+
+
+def set_callback_states(learn, states: dict) -> None:
+    for cb in learn.cbs:
+        st = states.get(cb_key(learn.cbs, cb))
+        if st is None: continue
+        if hasattr(cb, "load_resume_state"): cb.load_resume_state(st)
+        else: _set_builtin_state(cb, st)

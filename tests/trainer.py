@@ -1,0 +1,124 @@
+"""A real fastai training run on scikit-learn's bundled digits, used by the exactness tests as a
+separate process: `python tests/trainer.py --out result.frk [--die-at E,K] [--resume NAME] ...`.
+
+It builds the learner the same way every time (as a user's script would), optionally saves at
+epoch E after K batches and dies hard (SIGKILL), optionally loads a checkpoint first, trains, and
+writes the final model and optimizer state and the Recorder's history to `--out`.
+"""
+import argparse
+import os
+import signal
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import fastai_resume  # noqa: E402  (patches fastai)
+from fastai.callback.core import Callback  # noqa: E402
+from fastai.callback.training import GradientAccumulation  # noqa: E402
+from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback  # noqa: E402
+from fastai.data.core import DataLoaders  # noqa: E402
+from fastai.data.load import DataLoader  # noqa: E402
+from fastai.learner import Learner  # noqa: E402
+from fastai.losses import CrossEntropyLossFlat  # noqa: E402
+from fastai.metrics import accuracy  # noqa: E402
+from fastai.optimizer import OptimWrapper  # noqa: E402
+from fastai.torch_core import set_seed  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+
+class Noise:
+    "A random per-item augmentation drawn from torch's global RNG (so RNG state matters)."
+    def __call__(self, item):
+        x, y = item
+        return x + 0.05 * torch.randn_like(x), y
+
+
+class SaveAndDie(Callback):
+    "Saves a resumable checkpoint at a chosen point of the fit, then dies as a crash would."
+    order = 100
+
+    def __init__(self, epoch, k, name, event="after_batch"):
+        self.at, self.fname, self.event = (epoch, k), name, event
+        setattr(self, event, self._maybe)
+
+    def _maybe(self):
+        if self.event == "after_batch":
+            if not self.training or (self.epoch, self.iter + 1) != self.at: return
+        elif self.epoch != self.at[0]: return
+        self.learn.save(self.fname, with_iter=True)
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def build(path, nw=0, noise=True, bs=32, torch_opt=False, extra_cbs=()):
+    set_seed(42)
+    X, y = load_digits(return_X_y=True)
+    xs = torch.tensor(X / 16.0, dtype=torch.float32)
+    items = list(zip(xs, torch.tensor(y)))
+    kw = dict(after_item=Noise()) if noise else {}
+    train = DataLoader(items[:1500], bs=bs, shuffle=True, drop_last=True, num_workers=nw, **kw)
+    valid = DataLoader(items[1500:], bs=128, num_workers=0)
+    dls = DataLoaders(train, valid, device="cpu", path=path)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.3), nn.Linear(128, 10))
+    opt = {}
+    if torch_opt:
+        from functools import partial
+        opt = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW))
+    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, wd=0.01,
+                   cbs=list(extra_cbs), path=path, **opt)
+
+
+def result(learn):
+    rec = learn.recorder
+    return {"model": {k: v.clone() for k, v in learn.model.state_dict().items()},
+            "opt": fastai_resume.state.plain(learn.opt.state_dict()),
+            "losses": [float(l) for l in rec.losses],
+            "lrs": [float(l) for l in rec.lrs],
+            "values": [[float(v) for v in row] for row in rec.values]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--die-at", default=None, help="E,K: save after K training batches of epoch E, then die")
+    ap.add_argument("--die-event", default="after_batch")
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--no-noise", action="store_true")
+    ap.add_argument("--grad-acc", type=int, default=0)
+    ap.add_argument("--trackers", action="store_true")
+    ap.add_argument("--torch-opt", action="store_true")
+    ap.add_argument("--method", default="fit_one_cycle")
+    ap.add_argument("--break-data-order", action="store_true",
+                    help="negative control: forget the saved DataLoader shuffling state on resume")
+    a = ap.parse_args(argv)
+    cbs = []
+    if a.grad_acc: cbs.append(GradientAccumulation(a.grad_acc))
+    if a.trackers:
+        cbs += [SaveModelCallback(monitor="accuracy", fname="best", with_opt=True),
+                EarlyStoppingCallback(monitor="valid_loss", patience=2)]
+    learn = build(a.path, nw=a.workers, noise=not a.no_noise, torch_opt=a.torch_opt, extra_cbs=cbs)
+    fit_cbs = []
+    if a.die_at:
+        e, k = map(int, a.die_at.split(","))
+        fit_cbs.append(SaveAndDie(e, k, "crash", a.die_event))
+    if a.resume:
+        learn.load(a.resume)
+        if a.break_data_order:
+            train = learn._frk_pending[0]
+            train["dl_epoch"] = fastai_resume.state.dl_states(learn.dls)
+    with learn.no_bar():
+        if a.method == "fit_one_cycle": learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs)
+        elif a.method == "fit_flat_cos": learn.fit_flat_cos(a.epochs, 1e-2, cbs=fit_cbs)
+        elif a.method == "fit": learn.fit(a.epochs, 1e-3, cbs=fit_cbs)
+        elif a.method == "fine_tune": learn.fine_tune(a.epochs, 1e-2, freeze_epochs=1, cbs=fit_cbs)
+    fastai_resume.save(result(learn), a.out)
+
+
+if __name__ == "__main__":
+    main()
