@@ -108,7 +108,7 @@ class _Encoder:
         code = NUMPY_CODE.get(a.dtype)
         if code is None or not a.dtype.isnative:
             raise TypeError(f"{path}: numpy dtype {a.dtype} is not storable")
-        c = np.ascontiguousarray(a)
+        c = a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
         self.seen.append(a)
         blob = self.w.add_blob(c.reshape(-1).view(np.uint8) if c.size else b"")
         strides = tuple(s // c.itemsize for s in c.strides) if c.size else (0,) * c.ndim

@@ -1,0 +1,176 @@
+"""The value-tree format through the Python API: every dtype and tree kind round-trips exactly,
+storage sharing survives, loaded tensors are zero-copy views that outlive their file, and
+anything unstorable fails at save time naming where it is."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import fastai_resume as fr
+from fastai_resume import _core
+
+
+def roundtrip(tree, tmp_path, **kw):
+    p = tmp_path / "t.frk"
+    fr.save(tree, p)
+    return fr.load(p, **kw)
+
+
+FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                      "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+          torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+          torch.complex32, torch.complex64, torch.complex128] + FLOAT8
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_torch_dtype_round_trips_bitwise(dtype, tmp_path):
+    raw = torch.randint(0, 256, (6, 5 * torch.empty((), dtype=dtype).element_size()), dtype=torch.uint8)
+    t = raw.view(dtype)
+    back = roundtrip({"t": t}, tmp_path)["t"]
+    assert same_bits(t, back)
+
+
+def test_zero_dim_empty_and_noncontiguous_tensors_keep_shape_and_strides(tmp_path):
+    base = torch.arange(24.0).reshape(4, 6)
+    tree = {"scalar": torch.tensor(3.5), "empty": torch.empty(0, 7), "t": base.t(),
+            "slice": base[1:, ::2], "expanded": torch.ones(3, 1).expand(3, 4)}
+    back = roundtrip(tree, tmp_path)
+    for k, v in tree.items():
+        assert torch.equal(v, back[k]) and back[k].shape == v.shape and back[k].stride() == v.stride(), k
+
+
+def test_shared_storage_stays_shared_like_tied_weights(tmp_path):
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    sd = {"emb.weight": emb.weight.detach(), "head.weight": head.weight.detach(),
+          "view": emb.weight.detach()[2:5]}
+    back = roundtrip(sd, tmp_path)
+    assert back["emb.weight"].untyped_storage().data_ptr() == back["head.weight"].untyped_storage().data_ptr()
+    back["emb.weight"][3, 0] = 123.0
+    assert back["head.weight"][3, 0] == 123.0 and back["view"][1, 0] == 123.0
+    assert os.path.getsize(tmp_path / "t.frk") < 2 * 10 * 4 * 4 + 1024  # one blob, not two
+
+
+def test_python_values_and_containers_round_trip(tmp_path):
+    tree = {"none": None, "t": True, "f": False, "i": -(2 ** 63), "big": 2 ** 63 - 1, "x": 1.5,
+            "nan": float("nan"), "s": "héllo ✓", "b": b"\x00\xff", "l": [1, [2, [3]]],
+            "tup": (1, "a", (None,)), 7: "int key", "nested": {"a": {"b": {"c": []}}}}
+    back = roundtrip(tree, tmp_path)
+    nan = back.pop("nan")
+    assert nan != nan
+    tree.pop("nan")
+    assert back == tree and isinstance(back["tup"], tuple) and isinstance(back["l"], list)
+
+
+def test_numpy_arrays_round_trip_with_dtype_and_strides(tmp_path):
+    arrs = {"i": np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2], "f": np.random.rand(5).astype(np.float16),
+            "c": np.array([1 + 2j], dtype=np.complex128), "bool": np.array([True, False]),
+            "empty": np.zeros((0, 3), dtype=np.float32), "u32": np.array(7, dtype=np.uint32)}
+    back = roundtrip(arrs, tmp_path)
+    for k, a in arrs.items():
+        assert back[k].dtype == a.dtype and back[k].shape == a.shape and np.array_equal(back[k], a), k
+
+
+def test_same_tensor_twice_loads_as_one_object(tmp_path):
+    t = torch.randn(3)
+    back = roundtrip({"a": t, "b": [t]}, tmp_path)
+    assert back["a"] is back["b"][0]
+
+
+def test_unstorable_value_fails_at_save_naming_its_path(tmp_path):
+    class MyClass: pass
+    with pytest.raises(TypeError, match=r"\['opt'\]\['state'\]\[3\]\['foo'\]: .*MyClass is not storable"):
+        fr.save({"opt": {"state": [0, 1, 2, {"foo": MyClass()}]}}, tmp_path / "x.frk")
+    assert not (tmp_path / "x.frk").exists()
+    with pytest.raises(TypeError, match="does not fit in 64 bits"):
+        fr.save([2 ** 64], tmp_path / "x.frk")
+    with pytest.raises(TypeError, match="keys must be str or int"):
+        fr.save({(1, 2): 3}, tmp_path / "x.frk")
+    with pytest.raises(TypeError, match="sparse"):
+        fr.save(torch.eye(3).to_sparse(), tmp_path / "x.frk")
+    assert os.listdir(tmp_path) == []
+
+
+def test_loaded_tensors_are_views_of_a_private_mapping_that_outlive_the_file(tmp_path):
+    p = tmp_path / "t.frk"
+    fr.save({"w": torch.arange(1000.0)}, p)
+    w = fr.load(p)["w"]
+    os.remove(p)  # deleting (or replacing) the file is safe
+    fr.save({"w": torch.zeros(1000)}, p)
+    assert w.sum().item() == sum(range(1000))
+    w += 1  # copy-on-write: the file is not changed
+    assert fr.load(p)["w"].sum().item() == 0
+
+
+def test_mapping_refuses_to_close_while_a_view_is_alive(tmp_path):
+    p = tmp_path / "t.frk"
+    fr.save({"w": torch.ones(10)}, p)
+    m = _core.Mapping(str(p))
+    v = memoryview(m)
+    with pytest.raises(BufferError):
+        m.close()
+    v.release()
+    m.close()
+
+
+def test_verify_false_skips_blob_checksums_but_not_the_index(tmp_path):
+    p = tmp_path / "t.frk"
+    fr.save({"w": torch.zeros(1000)}, p)
+    blob_off = fr.info(p)["blobs"][0][0]
+    data = bytearray(p.read_bytes())
+    data[blob_off + 10] ^= 0xFF
+    p.write_bytes(bytes(data))
+    with pytest.raises(fr.CheckpointError, match="checksum mismatch in blob 0"):
+        fr.load(p)
+    assert fr.load(p, verify=False)["w"].count_nonzero().item() == 1
+    idx_off = int.from_bytes(data[-64:-56], "little")
+    data[idx_off] ^= 1
+    p.write_bytes(bytes(data))
+    with pytest.raises(fr.CheckpointError, match="index checksum"):
+        fr.load(p, verify=False)
+
+
+def test_blobs_are_aligned_and_format_is_detected_by_magic(tmp_path):
+    p = tmp_path / "weights.pth"  # the name says nothing
+    fr.save({"a": torch.ones(3), "b": torch.ones(5, dtype=torch.float64)}, p)
+    assert fr.is_checkpoint(p)
+    assert all(off % _core.BLOB_ALIGN == 0 for off, _, _ in fr.info(p)["blobs"])
+    torch.save({"a": 1}, tmp_path / "plain.frk")
+    assert not fr.is_checkpoint(tmp_path / "plain.frk")
+
+
+def test_crc32c_hardware_matches_known_vectors():
+    assert _core.crc32c(b"123456789") == 0xE3069283
+    assert _core.crc32c(bytes(32)) == 0x8A9136AA
+    data = os.urandom(1 << 20)
+    assert _core.crc32c(data[1000:], _core.crc32c(data[:1000])) == _core.crc32c(data)
+
+
+def test_background_commit_writes_the_same_file(tmp_path):
+    from fastai_resume.io import encode
+    tree = {"w": torch.randn(1000, 100)}
+    w = encode(tree)
+    w.commit_async(str(tmp_path / "a.frk"))
+    size = w.wait()
+    assert size == os.path.getsize(tmp_path / "a.frk")
+    assert torch.equal(fr.load(tmp_path / "a.frk")["w"], tree["w"])
+    with pytest.raises(RuntimeError, match="already been committed"):
+        w.commit(str(tmp_path / "b.frk"))
+
+
+def test_failed_commit_names_the_path_and_leaves_the_previous_file(tmp_path):
+    good = tmp_path / "x.frk"
+    fr.save({"v": 1}, good)
+    with pytest.raises(FileNotFoundError, match="sub"):
+        fr.save({"a": 1}, tmp_path / "sub" / "x.frk")
+    with pytest.raises(TypeError):
+        fr.save({"v": object()}, good)  # fails before anything is written
+    assert fr.load(good) == {"v": 1} and os.listdir(tmp_path) == ["x.frk"]

@@ -1,0 +1,114 @@
+"""Learner.save / Learner.load on real fastai learners: the new format, vanilla .pth files, and
+the rules of with_iter."""
+import os
+import sys
+from functools import partial
+
+import pytest
+import torch
+
+import fastai_resume as fr
+from fastai.optimizer import OptimWrapper
+
+sys.path.insert(0, os.path.dirname(__file__))
+from trainer import build  # noqa: E402
+
+
+def tensors_equal(a, b):
+    if isinstance(a, torch.Tensor): return torch.equal(a, b)
+    if isinstance(a, dict): return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def trained(tmp_path, **kw):
+    learn = build(tmp_path, **kw)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    return learn
+
+
+@pytest.mark.parametrize("torch_opt", [False, True], ids=["fastai-Optimizer", "OptimWrapper"])
+def test_round_trip_restores_model_and_optimizer_bitwise(tmp_path, torch_opt):
+    learn = trained(tmp_path, torch_opt=torch_opt)
+    path = learn.save("m", with_iter=True)
+    assert path.suffix == ".frk" and fr.is_checkpoint(path)
+    fresh = build(tmp_path, torch_opt=torch_opt)
+    fresh.load("m")
+    assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
+    assert tensors_equal(fr.state.plain(learn.opt.state_dict()), fr.state.plain(fresh.opt.state_dict()))
+    # negative control: an untrained learner differs
+    assert not tensors_equal(learn.model.state_dict(), build(tmp_path).model.state_dict())
+
+
+def test_vanilla_fastai_pth_still_loads_exactly_as_fastai_loads_it(tmp_path):
+    learn = trained(tmp_path)
+    path = learn.save("plain")  # no with_iter: fastai's own format
+    assert path.suffix == ".pth" and not fr.is_checkpoint(path)
+    assert isinstance(torch.load(path, weights_only=False), dict)  # a plain torch.load user is not surprised
+    fresh = build(tmp_path)
+    fresh.load("plain")
+    assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
+    assert fresh._frk_pending is None
+
+
+def test_format_is_detected_by_magic_not_by_name(tmp_path):
+    learn = trained(tmp_path)
+    src = learn.save("m", with_iter=True)
+    disguised = tmp_path / "models" / "disguised.pth"
+    os.replace(src, disguised)
+    fresh = build(tmp_path)
+    fresh.load("disguised")
+    assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
+
+
+def test_newest_of_name_frk_and_name_pth_is_loaded(tmp_path):
+    learn = trained(tmp_path)
+    learn.save("m")  # .pth
+    w_pth = {k: v.clone() for k, v in learn.model.state_dict().items()}
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    learn.save("m", with_iter=True)  # .frk, newer
+    fresh = build(tmp_path)
+    fresh.load("m")
+    assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
+    assert not tensors_equal(w_pth, fresh.model.state_dict())
+
+
+def test_with_iter_requires_with_opt(tmp_path):
+    learn = trained(tmp_path)
+    with pytest.raises(ValueError, match="with_iter=True\\) needs the optimizer state"):
+        learn.save("m", with_iter=True, with_opt=False)
+
+
+def test_save_outside_fit_carries_no_position(tmp_path):
+    learn = trained(tmp_path)
+    learn.save("m", with_iter=True)
+    assert fr.load(tmp_path / "models" / "m.frk")["train"] is None
+    fresh = build(tmp_path)
+    fresh.load("m")
+    assert fresh._frk_pending is None
+    with fresh.no_bar(), fresh.no_logging(): fresh.fit(1, 1e-3)
+    assert len(fresh.recorder.losses) == len(fresh.dls.train)  # nothing skipped
+
+
+def test_mismatched_learner_gives_a_clear_error_and_keeps_the_file(tmp_path):
+    learn = trained(tmp_path)
+    learn.save("m", with_iter=True)
+    other = build(tmp_path)
+    other.model = torch.nn.Sequential(torch.nn.Linear(64, 10))
+    other.opt = None
+    with pytest.raises(fr.CheckpointError, match="does not fit this learner's model"):
+        other.load("m")
+    assert fr.load(tmp_path / "models" / "m.frk")["model"]  # still there, intact
+
+
+def test_import_patches_idempotently_and_keeps_signatures():
+    import importlib
+    import inspect
+    from fastai.learner import Learner
+    before = Learner.fit
+    importlib.reload(sys.modules["fastai_resume"])
+    assert Learner.fit is before
+    params = inspect.signature(Learner.fit).parameters
+    assert list(params)[:7] == ["self", "n_epoch", "lr", "wd", "cbs", "reset_opt", "start_epoch"]
+    assert "start_iter" in params and "resume" in params
+    assert "start_iter" in inspect.signature(Learner.fit_one_cycle).parameters
