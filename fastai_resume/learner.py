@@ -93,6 +93,8 @@ class ResumeCallback(Callback):
         "Called by `Learner._do_fit` before each epoch: True if the epoch is already done."
         action, self.rng_action, self.first_iter = self.skip.before_epoch(epoch)
         if action == _SKIP:
+            mbar = getattr(getattr(self.learn, "progress", None), "mbar", None)
+            if mbar is not None: mbar.update(epoch)  # fastprogress wants every epoch counted
             if epoch < len(self.rows): self.learn.logger(self.rows[epoch])
             return True
         self.resuming = action == _RESUME
