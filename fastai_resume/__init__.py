@@ -5,6 +5,7 @@ wrappers) on the installed fastai; nothing else in the user's code changes.
 """
 from .io import CheckpointError, EXT, info, is_checkpoint, load, save
 from .learner import ResumeCallback
+from .autosave import AutoCheckpoint, PREEMPTED_EXIT_CODE
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointError", "EXT", "ResumeCallback", "info", "is_checkpoint", "load", "save"]
+__all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE", "CheckpointError", "EXT", "ResumeCallback", "info", "is_checkpoint", "load", "save"]

@@ -229,6 +229,17 @@ def _model_tree(learn, with_opt: bool) -> dict:
     return tree
 
 
+def checkpoint_tree(learn, with_opt=True, with_iter=False) -> dict:
+    "What `save` stores: the model, the optimizer and, `with_iter`, the training position and state."
+    tree = _model_tree(learn, with_opt)
+    if with_iter:
+        if getattr(learn, "opt", None) is None:
+            raise ValueError("save(with_iter=True): the learner has no optimizer yet (call fit or create_opt first)")
+        ctl = getattr(learn, "_frk_ctl", None)
+        tree["train"] = ctl.capture() if ctl is not None else None
+    return tree
+
+
 # ---- the patches ----------------------------------------------------------------------------
 
 def _patch():
@@ -274,13 +285,7 @@ def _patch():
         if rank_distrib(): return  # only rank 0 writes, as fastai does
         path = _resolve(self, file, for_load=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tree = _model_tree(self, with_opt)
-        if with_iter:
-            if getattr(self, "opt", None) is None:
-                raise ValueError("save(with_iter=True): the learner has no optimizer yet (call fit or create_opt first)")
-            ctl = getattr(self, "_frk_ctl", None)
-            tree["train"] = ctl.capture() if ctl is not None else None
-        io.save(tree, path)
+        io.save(checkpoint_tree(self, with_opt, with_iter), path)
         return path
 
     @patch
@@ -332,10 +337,15 @@ def _patch():
         resume = resume and opts.get("resume", True)
         fit_index = opts.get("fit_index", 0)
         if opts: opts["fit_index"] = fit_index + 1
+        explicit = bool(start_epoch) or start_iter is not None
+        if resume and not explicit and self._frk_pending is None and fit_index == 0:
+            for c in list(self.cbs) + list(L(cbs)):
+                if hasattr(c, "arm_resume"):  # AutoCheckpoint(resume=True)
+                    c.learn = self
+                    c.arm_resume()
         pending = self._frk_pending if resume else None
         self._frk_pending = None
         saved, source, opt_state = (pending if pending else (None, None, None))
-        explicit = bool(start_epoch) or start_iter is not None
         pos = saved["position"] if saved else None
         if pos is not None and not explicit and pos["fit_index"] != fit_index:
             if fit_index < pos["fit_index"]:

@@ -61,7 +61,10 @@ def set_dl_states(dls, states: list) -> None:
 
 def recorder_state(rec) -> dict:
     sm = rec.smooth_loss
-    return {"lrs": plain(rec.lrs), "iters": plain(rec.iters), "losses": list(rec.losses),
+    losses = rec.losses
+    if losses and all(isinstance(l, torch.Tensor) and l.dim() == 0 for l in losses):
+        losses = torch.stack(losses)  # one blob, not one per batch
+    return {"lrs": plain(rec.lrs), "iters": plain(rec.iters), "losses": losses,
             "values": plain(rec.values), "smooth_count": sm.count, "smooth_val": sm.val,
             "hps": plain(getattr(rec, "hps", None))}
 
@@ -69,7 +72,9 @@ def recorder_state(rec) -> dict:
 def set_recorder_state(learn, st: dict) -> None:
     rec = learn.recorder
     from fastcore.foundation import L
-    rec.lrs, rec.iters, rec.losses = list(st["lrs"]), list(st["iters"]), list(st["losses"])
+    losses = st["losses"]
+    rec.lrs, rec.iters = list(st["lrs"]), list(st["iters"])
+    rec.losses = list(losses.unbind()) if isinstance(losses, torch.Tensor) else list(losses)
     rec.values = [L(v) for v in st["values"]]
     rec.smooth_loss.count, rec.smooth_loss.val = st["smooth_count"], st["smooth_val"]
     if rec.smooth_loss.count: learn.smooth_loss = rec.smooth_loss.value

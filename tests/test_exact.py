@@ -1,50 +1,16 @@
 """Exactness: a run that saves at iteration k of epoch e, dies by SIGKILL and is restarted in a
 new process that builds the learner the same way, loads and fits again, ends bitwise equal to the
 uninterrupted run: model, optimizer, and the Recorder's losses, lrs and metric values."""
-import functools
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
-import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fastai_resume as fr
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-N_ITER = 46  # 1500 training digits, bs 32, drop_last
-
-
-def run(path, out, *args, expect_kill=False):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "trainer.py"), "--path", str(path), "--out", str(out), *args],
-                       capture_output=True, text=True, env=env, timeout=600)
-    if expect_kill:
-        assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
-    else:
-        assert p.returncode == 0, p.stdout + p.stderr
-    return p.stdout
-
-
-@functools.lru_cache(maxsize=None)
-def reference(tmp_root, *args):
-    d = os.path.join(tmp_root, "ref" + "_".join(a.strip("-") for a in args))
-    os.makedirs(d, exist_ok=True)
-    run(d, os.path.join(d, "out.frk"), *args)
-    return fr.load(os.path.join(d, "out.frk"))
-
-
-@pytest.fixture(scope="session")
-def tmp_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("exact"))
-
-
-def equal(a, b):
-    if isinstance(a, torch.Tensor): return torch.equal(a, b)
-    if isinstance(a, dict): return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
-    return a == b
+from procs import N_ITER, assert_same_run, equal, reference, run  # noqa: E402
 
 
 def crash_and_resume(tmp_path, die_at, *args, resume_args=()):
@@ -52,12 +18,6 @@ def crash_and_resume(tmp_path, die_at, *args, resume_args=()):
     assert (tmp_path / "models" / "crash.frk").exists() and not (tmp_path / "dead.frk").exists()
     log = run(tmp_path, tmp_path / "out.frk", "--resume", "crash", *args, *resume_args)
     return fr.load(tmp_path / "out.frk"), out, log
-
-
-def assert_same_run(ref, res):
-    assert len(res["losses"]) == len(ref["losses"]) == 3 * N_ITER
-    for key in ("model", "opt", "losses", "lrs", "values"):
-        assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"
 
 
 @pytest.mark.parametrize("epoch", [0, 1, 2], ids=["first-epoch", "middle-epoch", "last-epoch"])

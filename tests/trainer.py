@@ -53,6 +53,15 @@ class SaveAndDie(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Slow(Callback):
+    "Makes each training batch take longer (no RNG, no state): kill windows get wider."
+    def __init__(self, ms): self.s = ms / 1000
+    def after_batch(self):
+        if self.training:
+            import time
+            time.sleep(self.s)
+
+
 def build(path, nw=0, noise=True, bs=32, torch_opt=False, extra_cbs=()):
     set_seed(42)
     X, y = load_digits(return_X_y=True)
@@ -94,15 +103,30 @@ def main(argv=None):
     ap.add_argument("--trackers", action="store_true")
     ap.add_argument("--torch-opt", action="store_true")
     ap.add_argument("--method", default="fit_one_cycle")
+    ap.add_argument("--auto", type=int, default=0, help="AutoCheckpoint every N iterations, with autoresume")
+    ap.add_argument("--auto-sync", action="store_true", help="AutoCheckpoint without background saves")
+    ap.add_argument("--slow-ms", type=float, default=0, help="sleep this long per batch (to widen kill windows)")
+    ap.add_argument("--ballast-mb", type=int, default=0, help="a constant buffer this big in the model (slower saves)")
+    ap.add_argument("--fsize-mb", type=int, default=0, help="RLIMIT_FSIZE for this process (a full disk)")
+    ap.add_argument("--on-error", default="raise")
     ap.add_argument("--break-data-order", action="store_true",
                     help="negative control: forget the saved DataLoader shuffling state on resume")
     a = ap.parse_args(argv)
     cbs = []
     if a.grad_acc: cbs.append(GradientAccumulation(a.grad_acc))
+    if a.auto:
+        cbs.append(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, background=not a.auto_sync,
+                                                on_error=a.on_error))
+    if a.fsize_mb:
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (a.fsize_mb << 20, a.fsize_mb << 20))
+    if a.slow_ms: cbs.append(Slow(a.slow_ms))
     if a.trackers:
         cbs += [SaveModelCallback(monitor="accuracy", fname="best", with_opt=True),
                 EarlyStoppingCallback(monitor="valid_loss", patience=2)]
     learn = build(a.path, nw=a.workers, noise=not a.no_noise, torch_opt=a.torch_opt, extra_cbs=cbs)
+    if a.ballast_mb:
+        learn.model.register_buffer("ballast", torch.ones(a.ballast_mb << 18))
     fit_cbs = []
     if a.die_at:
         e, k = map(int, a.die_at.split(","))

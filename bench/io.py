@@ -1,0 +1,180 @@
+"""Checkpoint I/O benchmark: this format against torch.save/torch.load(mmap), safetensors and a raw
+write/read of the same bytes, in one run, on one file system, with fsync for every contender.
+
+State: torchvision's ViT-L/16 (about 1.1 GiB of float32 parameters, randomly initialised: nothing
+is downloaded) plus Adam's two moment buffers. Save = serialise + write + fsync. Load = open and
+read every tensor once, after the file's pages were dropped from the page cache (fadvise), so
+every contender reads from the disk. Prints a table, writes JSON (bench/results/io.json).
+
+    python bench/io.py [--dir DIR] [--rounds 2] [--small]
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fastai_resume as fr  # noqa: E402
+
+
+def rss():
+    with open("/proc/self/statm") as f: return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    "Samples the resident set every 2 ms while the block runs; .extra = peak above the start."
+    def __enter__(self):
+        self.base, self.peak, self.stop = rss(), rss(), False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+        return self
+
+    def _run(self):
+        while not self.stop:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *a):
+        self.stop = True
+        self.t.join()
+        self.extra = max(0, self.peak - self.base)
+
+
+def make_state(small):
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.vit_b_16() if small else torchvision.models.vit_l_16()
+    params = {k: v.detach() for k, v in model.state_dict().items()}
+    opt = {"state": {i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+                     for i, p in enumerate(params.values()) if p.is_floating_point()},
+           "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                             "params": list(range(len(params)))}]}
+    return {"model": params, "opt": opt}
+
+
+def flat(tree):
+    out = {f"model.{k}": v for k, v in tree["model"].items()}
+    for i, s in tree["opt"]["state"].items():
+        for k, v in s.items(): out[f"opt.{i}.{k}"] = v
+    return out
+
+
+def fsync_path(p):
+    fd = os.open(p, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+
+def drop_cache(p):
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally: os.close(fd)
+
+
+def touch_all(tree):
+    "Read every tensor once (a sum over its bytes), as training would."
+    n = 0
+    stack = [tree]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.numel(): v.view(-1)[:: max(1, 4096 // v.element_size())].sum()  # one read per page
+            n += v.numel() * v.element_size()
+        elif isinstance(v, dict): stack.extend(v.values())
+        elif isinstance(v, (list, tuple)): stack.extend(v)
+    return n
+
+
+def save_ours(tree, p): fr.save(tree, p)
+def load_ours(p): return fr.load(p)
+
+
+def save_torch(tree, p):
+    with open(p, "wb") as f:
+        torch.save(tree, f)
+        f.flush()
+        os.fsync(f.fileno())
+def load_torch(p): return torch.load(p, mmap=True, weights_only=True)
+
+
+def save_st(tree, p):
+    from safetensors.torch import save_file
+    save_file(flat(tree), p)
+    fsync_path(p)
+def load_st(p):
+    from safetensors.torch import load_file
+    return load_file(p)
+
+
+def save_raw(tree, p):
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in flat(tree).values():
+            os.write(fd, t.contiguous().view(-1).view(torch.uint8).numpy().data) if t.numel() else None
+        os.fsync(fd)
+    finally: os.close(fd)
+def load_raw(p):
+    buf = torch.empty(os.path.getsize(p), dtype=torch.uint8)
+    with open(p, "rb", buffering=0) as f: f.readinto(buf.numpy().data)
+    return buf
+
+
+CONTENDERS = [("fastai_resume", save_ours, load_ours), ("torch.save/load(mmap)", save_torch, load_torch),
+              ("safetensors", save_st, load_st), ("raw write/read", save_raw, load_raw)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "io-tmp"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--small", action="store_true", help="ViT-B/16 instead of ViT-L/16 (a quick check)")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "io.json"))
+    a = ap.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    tree = make_state(a.small)
+    nbytes = touch_all(tree)
+    print(f"state: {nbytes / 2**30:.2f} GiB ({'ViT-B/16' if a.small else 'ViT-L/16'} + Adam), dir {a.dir}")
+    res = {name: {"save": [], "load": [], "peak_extra": []} for name, _, _ in CONTENDERS}
+    for r in range(a.rounds):
+        for name, save, load in CONTENDERS:
+            p = os.path.join(a.dir, "ckpt")
+            if os.path.exists(p): os.remove(p)
+            gc.collect()
+            with PeakRSS() as pk:
+                t0 = time.perf_counter()
+                save(tree, p)
+                ts = time.perf_counter() - t0
+            drop_cache(p)
+            gc.collect()
+            t0 = time.perf_counter()
+            loaded = load(p)
+            touch_all(loaded)
+            tl = time.perf_counter() - t0
+            del loaded
+            res[name]["save"].append(ts)
+            res[name]["load"].append(tl)
+            res[name]["peak_extra"].append(pk.extra)
+            os.remove(p)
+            print(f"  round {r}: {name:24s} save {ts:7.2f}s  load {tl:7.2f}s  peak +{pk.extra / 2**20:7.0f} MiB", flush=True)
+    best = {n: {k: min(v) for k, v in d.items()} for n, d in res.items()}
+    ours = best["fastai_resume"]
+    print(f"\n| contender | save s | save GB/s | load s | load GB/s | peak RSS above state | ours vs it (save) | ours vs it (load) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, b in best.items():
+        print(f"| {n} | {b['save']:.2f} | {nbytes / b['save'] / 1e9:.2f} | {b['load']:.2f} | {nbytes / b['load'] / 1e9:.2f} | "
+              f"{b['peak_extra'] / 2**20:.0f} MiB | {b['save'] / ours['save']:.2f}x | {b['load'] / ours['load']:.2f}x |")
+    os.makedirs(os.path.dirname(a.json), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump({"bytes": nbytes, "rounds": res, "best": best, "crc32c": fr._core.crc32c_impl}, f, indent=1)
+    print(f"\nwrote {a.json} (best of {a.rounds} rounds; ratios > 1 mean fastai_resume is faster)")
+
+
+if __name__ == "__main__":
+    main()

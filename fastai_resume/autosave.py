@@ -1,0 +1,207 @@
+"""`AutoCheckpoint`: periodic, background, retained, auto-resumed checkpoints, and a clean exit on
+preemption (SIGTERM). One callback; run the same script again after a crash and it continues.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from fastai.callback.core import Callback
+
+from . import io
+from .io import CheckpointError
+
+__all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE", "snapshot"]
+
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
+
+
+def snapshot(tree):
+    """A copy of `tree` whose tensors training can no longer change: CPU storages are cloned,
+    CUDA storages copied into pinned host memory. Tensors sharing a storage keep sharing it."""
+    storages: dict = {}
+    cuda = []
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        key = (t.device, st.data_ptr())
+        new = storages.get(key)
+        if new is None:
+            if t.device.type == "cpu":
+                new = st.clone()
+            else:
+                new = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
+                new.copy_(st, non_blocking=True)
+                cuda.append(t.device)
+            storages[key] = new
+        return torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.shape, t.stride())
+
+    def walk(v):
+        if isinstance(v, torch.Tensor): return copy(v.detach())
+        if isinstance(v, dict): return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list): return [walk(x) for x in v]
+        if isinstance(v, tuple): return tuple(walk(x) for x in v)
+        return v
+    out = walk(tree)
+    for dev in set(cuda): torch.cuda.synchronize(dev)
+    return out
+
+
+class AutoCheckpoint(Callback):
+    """Saves a resumable checkpoint every `every_iters` training batches, every `every_seconds`
+    and/or after every epoch, into `learn.path/learn.model_dir`, keeping the newest `keep`.
+
+    - `background=True`: the state is copied at the batch boundary and written by a C thread with
+      the GIL released while training goes on; at most one save is in flight, and the fit's end
+      waits for it. A failed background save raises at the next batch boundary
+      (`on_error='warn'`: a loud warning instead).
+    - `resume=True`: the first fit of the process continues from the newest valid checkpoint of
+      this `fname` (incomplete or corrupt files are skipped with a warning); with none, training
+      starts from the beginning.
+    - `preempt=True`: on SIGTERM the current batch finishes, a checkpoint is saved synchronously
+      and the process exits with status `PREEMPTED_EXIT_CODE` (143).
+    """
+    order = 100  # after the Recorder and the trackers have updated, before ResumeCallback
+
+    def __init__(self, fname="auto", every_iters=None, every_seconds=None, every_epoch=True, keep=3,
+                 background=True, resume=True, preempt=True, on_error="raise"):
+        if keep < 1: raise ValueError("AutoCheckpoint(keep=...) must keep at least one checkpoint")
+        if on_error not in ("raise", "warn"): raise ValueError("on_error must be 'raise' or 'warn'")
+        if not re.fullmatch(r"[\w.-]+", fname): raise ValueError(f"fname {fname!r}: use letters, digits, '.', '_', '-'")
+        self.fname, self.every_iters, self.every_seconds, self.every_epoch = fname, every_iters, every_seconds, every_epoch
+        self.keep, self.background, self.resume, self.preempt, self.on_error = keep, background, resume, preempt, on_error
+        self._inflight = None  # (Writer, final path)
+        self._resumed_once = False
+        self.saved = []  # paths committed by this process, oldest first
+
+    # -- files ------------------------------------------------------------------------------
+    @property
+    def folder(self) -> Path: return Path(self.learn.path) / self.learn.model_dir
+
+    def _name(self, fit_index, epoch, it) -> Path:
+        return self.folder / f"{self.fname}-f{fit_index:03d}-e{epoch:06d}-i{it:010d}{io.EXT}"
+
+    def checkpoints(self):
+        "This callback's checkpoint files, oldest position first."
+        pat = re.compile(re.escape(self.fname) + r"-f\d{3}-e\d{6}-i\d{10}" + re.escape(io.EXT) + "$")
+        if not self.folder.is_dir(): return []
+        return sorted(p for p in self.folder.iterdir() if pat.match(p.name))
+
+    def latest_valid(self):
+        """The newest checkpoint that verifies. Each newer one that does not is named in a warning
+        and renamed to `*.corrupt`, so that retention never counts it as a good checkpoint."""
+        for p in reversed(self.checkpoints()):
+            try:
+                io.info(p, verify=True)
+                return p
+            except (CheckpointError, OSError) as e:
+                warnings.warn(f"AutoCheckpoint: skipping {p}: {e}")
+                try: p.rename(p.with_name(p.name + ".corrupt"))
+                except OSError: pass
+        return None
+
+    def _remove_stale_temps(self):
+        "Temporary files of saves that were killed midway are never valid: remove them."
+        if not self.folder.is_dir(): return
+        for p in self.folder.glob(f".{self.fname}-f*{io.EXT}.tmp.*"):
+            try: p.unlink()
+            except OSError: pass
+
+    def arm_resume(self):
+        "Called by `fit` before it starts: loads the newest valid checkpoint once per process."
+        if not self.resume or self._resumed_once: return
+        self._resumed_once = True
+        self._remove_stale_temps()
+        p = self.latest_valid()
+        if p is None: return
+        self.learn.load(p)
+        print(f"AutoCheckpoint: found {p.name}")
+
+    # -- events -----------------------------------------------------------------------------
+    def before_fit(self):
+        self.last_time, self.last_iter = time.monotonic(), None
+        self._preempted = False
+        self._old_handler = None
+        if self.preempt and threading.current_thread() is threading.main_thread():
+            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame): self._preempted = True
+
+    def before_batch(self):
+        if self.training: self._check_inflight(block=False)
+
+    def after_batch(self):
+        if not self.training: return
+        if self._preempted:
+            self._check_inflight(block=True)
+            path = self._save(background=False)
+            print(f"AutoCheckpoint: SIGTERM: saved {path.name}, exiting with status {PREEMPTED_EXIT_CODE}", flush=True)
+            self._restore_handler()
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+        it = self.learn.train_iter
+        if self.last_iter is None: self.last_iter = it - 1
+        due = (self.every_iters and it - self.last_iter >= self.every_iters) or \
+              (self.every_seconds and time.monotonic() - self.last_time >= self.every_seconds)
+        if due: self._save()
+
+    def after_epoch(self):
+        if self.every_epoch: self._save()
+
+    def after_fit(self):
+        self._check_inflight(block=True)
+        self._restore_handler()
+
+    def _restore_handler(self):
+        if self._old_handler is not None:
+            signal.signal(signal.SIGTERM, self._old_handler)
+            self._old_handler = None
+
+    # -- saving -----------------------------------------------------------------------------
+    def _save(self, background=None):
+        background = self.background if background is None else background
+        learn = self.learn
+        ctl = getattr(learn, "_frk_ctl", None)
+        self.last_time, self.last_iter = time.monotonic(), learn.train_iter
+        pos = ctl.position() if ctl is not None else None
+        if pos is None: return None
+        path = self._name(ctl.fit_index, *pos)
+        if path.exists() or (self._inflight and self._inflight[1] == path): return path  # already saved here
+        self._check_inflight(block=True)  # at most one save in flight
+        from .learner import checkpoint_tree
+        tree = checkpoint_tree(learn, with_opt=True, with_iter=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not background:
+            io.save(tree, path)
+            self._committed(path)
+            return path
+        w = io.encode(snapshot(tree))
+        w.commit_async(str(path))
+        self._inflight = (w, path)
+        return path
+
+    def _check_inflight(self, block):
+        if self._inflight is None: return
+        w, path = self._inflight
+        if not block and not w.done: return
+        self._inflight = None
+        try:
+            w.wait()
+        except OSError as e:
+            msg = f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact."
+            if self.on_error == "raise": raise OSError(e.errno, msg) from e
+            warnings.warn(msg)
+            return
+        self._committed(path)
+
+    def _committed(self, path):
+        "Retention, only ever after a commit: the newest `keep` stay."
+        self.saved.append(path)
+        for old in self.checkpoints()[:-self.keep]:
+            try: old.unlink()
+            except OSError as e: warnings.warn(f"AutoCheckpoint: could not remove {old}: {e}")

@@ -1,0 +1,50 @@
+"""Running tests/trainer.py as a real process, and comparing what runs produced."""
+import functools
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+import fastai_resume as fr
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N_ITER = 46  # 1500 training digits, bs 32, drop_last
+
+
+ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+
+
+def trainer_cmd(path, out, *args):
+    return [sys.executable, os.path.join(HERE, "trainer.py"), "--path", str(path), "--out", str(out), *args]
+
+
+def run(path, out, *args, expect_kill=False):
+    p = subprocess.run(trainer_cmd(path, out, *args), capture_output=True, text=True, env=ENV, timeout=600)
+    if expect_kill:
+        assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    else:
+        assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+@functools.lru_cache(maxsize=None)
+def reference(tmp_root, *args):
+    d = os.path.join(tmp_root, "ref" + "_".join(a.strip("-") for a in args))
+    os.makedirs(d, exist_ok=True)
+    run(d, os.path.join(d, "out.frk"), *args)
+    return fr.load(os.path.join(d, "out.frk"))
+
+
+def equal(a, b):
+    if isinstance(a, torch.Tensor): return torch.equal(a, b)
+    if isinstance(a, dict): return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def assert_same_run(ref, res, epochs=3):
+    assert len(res["losses"]) == len(ref["losses"]) == epochs * N_ITER
+    for key in ("model", "opt", "losses", "lrs", "values"):
+        assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"

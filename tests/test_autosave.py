@@ -1,0 +1,120 @@
+"""AutoCheckpoint: SIGKILL at random moments (inside saves too) and autoresume until done ends
+bitwise equal to the uninterrupted run; SIGTERM saves and exits; retention; a full disk."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import fastai_resume as fr
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import ENV, N_ITER, assert_same_run, reference, run, trainer_cmd  # noqa: E402
+from trainer import build  # noqa: E402
+
+STATE = ("--epochs", "2", "--ballast-mb", "8")  # a bigger state: saves take long enough to be hit
+AUTO = STATE + ("--auto", "4", "--slow-ms", "10")
+
+
+def loadable(folder):
+    out = []
+    for p in sorted(folder.glob("auto-*.frk")):
+        try:
+            fr.load(p)
+            out.append(p)
+        except fr.CheckpointError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_random_sigkills_with_autoresume_end_bitwise_equal(tmp_root, tmp_path, trial):
+    ref = reference(tmp_root, *STATE)
+    rng = random.Random(trial)
+    models = tmp_path / "models"
+    kills, had_checkpoint = 0, False
+    while True:
+        p = subprocess.Popen(trainer_cmd(tmp_path, tmp_path / "out.frk", *AUTO), env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            out, _ = p.communicate(timeout=rng.uniform(3.0, 8.0) if kills < 4 else 600)
+            assert p.returncode == 0, out
+            break
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            kills += 1
+        good = loadable(models) if models.exists() else []
+        assert good or not had_checkpoint, "a kill left no loadable checkpoint"
+        had_checkpoint |= bool(good)
+    assert_same_run(ref, fr.load(tmp_path / "out.frk"), epochs=2)
+    assert not list(models.glob(".*tmp*")), "a killed save's temporary file was left behind"
+    assert len(list(models.glob("auto-*.frk"))) == 2  # keep=2
+
+
+def test_sigterm_saves_at_the_current_batch_and_exits_then_resumes_exactly(tmp_root, tmp_path):
+    ref = reference(tmp_root)
+    args = ("--auto", "100000", "--slow-ms", "30")
+    p = subprocess.Popen(trainer_cmd(tmp_path, tmp_path / "out.frk", *args), env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(7.0)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == fr.PREEMPTED_EXIT_CODE, out
+    assert "SIGTERM: saved auto-f000-e" in out
+    saved = [f for f in (tmp_path / "models").glob("auto-*.frk")]
+    pos = fr.load(saved[-1])["train"]["position"]
+    assert 0 < pos["epoch"] * N_ITER + pos["iter"] < 3 * N_ITER and pos["iter"] > 0  # mid-epoch
+    log = run(tmp_path, tmp_path / "out.frk", *args)
+    assert f"iteration {pos['iter']}/{N_ITER}" in log
+    assert_same_run(ref, fr.load(tmp_path / "out.frk"))
+
+
+def test_retention_keeps_newest_k_and_skips_a_corrupt_newest(tmp_path):
+    cb = fr.AutoCheckpoint(every_iters=10, keep=3, background=False, every_epoch=False)
+    learn = build(tmp_path, noise=False, extra_cbs=[cb])
+    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
+    names = [p.name for p in cb.checkpoints()]
+    assert names == ["auto-f000-e000001-i0000000024.frk", "auto-f000-e000001-i0000000034.frk",
+                     "auto-f000-e000001-i0000000044.frk"]
+    newest = cb.checkpoints()[-1]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    cb2 = fr.AutoCheckpoint(every_iters=10, keep=1, background=False, every_epoch=False)
+    learn2 = build(tmp_path, noise=False, extra_cbs=[cb2])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with learn2.no_bar(), learn2.no_logging(): learn2.fit_one_cycle(2, 1e-2)
+    assert any(newest.name in str(x.message) for x in w)
+    assert len(learn2.recorder.losses) == 2 * N_ITER
+    assert [p.name for p in cb2.checkpoints()] == ["auto-f000-e000001-i0000000044.frk"]  # re-made, verified
+    fr.load(cb2.checkpoints()[0])
+
+
+def test_no_checkpoint_starts_from_the_beginning(tmp_path):
+    cb = fr.AutoCheckpoint(every_iters=20, keep=2)
+    learn = build(tmp_path, noise=False, extra_cbs=[cb])
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    assert len(learn.recorder.losses) == N_ITER and len(cb.checkpoints()) == 2
+
+
+def test_full_disk_during_autosave_is_a_clear_error_and_keeps_previous_checkpoints(tmp_path):
+    run(tmp_path, tmp_path / "a.frk", "--auto", "20", "--auto-sync", "--epochs", "3")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "models").glob("auto-*.frk")}
+    assert len(before) == 2
+    for p in (tmp_path / "models").glob("auto-*.frk"):  # make the next saves bigger than the limit
+        os.rename(p, p.with_name(p.name.replace("auto-", "old-")))
+    proc = subprocess.run(trainer_cmd(tmp_path, tmp_path / "b.frk", "--auto", "5", "--ballast-mb", "8",
+                                      "--fsize-mb", "4"), env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "background save of" in proc.stderr and "File too large" in proc.stderr
+    assert "The previous checkpoints are intact" in proc.stderr
+    after = {p.name.replace("old-", "auto-"): p.read_bytes() for p in (tmp_path / "models").glob("old-*.frk")}
+    assert after == before
+    assert not list((tmp_path / "models").glob(".*tmp*"))
