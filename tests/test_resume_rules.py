@@ -159,3 +159,14 @@ def test_skip_state_machine_directly():
     assert _core.skip_plan(True, 2, 5, 3, -1) == (3, 0)
     assert _core.skip_plan(True, 2, 5, -1, 7) == (2, 7)
     assert _core.skip_plan(False, 0, 0, -1, -1) is None
+
+
+def test_csv_logger_continues_its_file(tmp_path):
+    from fastai.callback.progress import CSVLogger
+    learn = build(tmp_path, noise=False, extra_cbs=[CSVLogger()])
+    with learn.no_bar(): learn.fit_one_cycle(3, 1e-2, cbs=StopAt(2, 10))
+    before = (tmp_path / "history.csv").read_text().splitlines()
+    learn = fresh(tmp_path, extra_cbs=[CSVLogger()])
+    with learn.no_bar(): learn.fit_one_cycle(3, 1e-2)
+    after = (tmp_path / "history.csv").read_text().splitlines()
+    assert len(before) == 3 and len(after) == 4 and after[:3] == before and after[3].startswith("2,")
