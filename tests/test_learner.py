@@ -112,3 +112,17 @@ def test_import_patches_idempotently_and_keeps_signatures():
     assert list(params)[:7] == ["self", "n_epoch", "lr", "wd", "cbs", "reset_opt", "start_epoch"]
     assert "start_iter" in params and "resume" in params
     assert "start_iter" in inspect.signature(Learner.fit_one_cycle).parameters
+
+
+def test_the_package_builds_as_a_wheel_with_extension_stub_and_marker(tmp_path):
+    import subprocess
+    import zipfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path), root], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    wheel = next(tmp_path.glob("fastai_resume-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("fastai_resume/_core") and n.endswith(".so") for n in names)
+    assert "fastai_resume/_core.pyi" in names and "fastai_resume/py.typed" in names
+    assert any(n.endswith("entry_points.txt") for n in names)
