@@ -165,7 +165,7 @@ def main():
             print(f"  round {r}: {name:24s} save {ts:7.2f}s  load {tl:7.2f}s  peak +{pk.extra / 2**20:7.0f} MiB", flush=True)
     best = {n: {k: min(v) for k, v in d.items()} for n, d in res.items()}
     ours = best["fastai_resume"]
-    print(f"\n| contender | save s | save GB/s | load s | load GB/s | peak RSS above state | ours vs it (save) | ours vs it (load) |")
+    print("\n| contender | save s | save GB/s | load s | load GB/s | peak RSS above state | ours vs it (save) | ours vs it (load) |")
     print("|---|---|---|---|---|---|---|---|")
     for n, b in best.items():
         print(f"| {n} | {b['save']:.2f} | {nbytes / b['save'] / 1e9:.2f} | {b['load']:.2f} | {nbytes / b['load'] / 1e9:.2f} | "

@@ -311,8 +311,11 @@ static int check_tensor(unsigned kind, unsigned dtype, unsigned ndim, uint64_t b
                     (unsigned long long)idx, (unsigned long long)blob,
                     (unsigned long long)n_blobs);
     uint64_t extent, bytes, numel = 1;
+    /* torch and NumPy count elements and bytes in int64: so must a valid shape (broadcast
+     * strides of 0 let a huge shape fit a tiny blob). */
     for (unsigned d = 0; d < ndim; d++)
-        if (sizes[d] < 0 || __builtin_mul_overflow(numel, (uint64_t)sizes[d], &numel))
+        if (sizes[d] < 0 || __builtin_mul_overflow(numel, (uint64_t)sizes[d], &numel) ||
+            numel > (uint64_t)INT64_MAX / item)
             return fail(err, FRK_ECORRUPT, 0, "tensor %llu has an impossible shape",
                         (unsigned long long)idx);
     if (view_extent(ndim, sizes, strides, storage_offset, &extent) ||
@@ -695,7 +698,8 @@ int frk_has_magic(const void *data, size_t len)
 
 int frk_map_file(const char *path, uint8_t **base, size_t *len, frk_error *err)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO or device must fail the S_ISREG check below, not block the open. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return io_fail(err, "cannot open", path, errno);
     struct stat st;

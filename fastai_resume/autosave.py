@@ -3,7 +3,6 @@ preemption (SIGTERM). One callback; run the same script again after a crash and 
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
 import threading

@@ -6,7 +6,6 @@ plain trees (`state`), never in bytes.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Union
 
 import numpy as np

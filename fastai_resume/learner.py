@@ -11,11 +11,9 @@ from __future__ import annotations
 import inspect
 import os
 import time
-import warnings
 from functools import wraps
 from pathlib import Path
 
-import torch
 from fastai.learner import Learner, load_model, save_model
 import fastai.callback.schedule  # noqa: F401  (defines the fit wrappers patched below)
 from fastai.callback.core import Callback, CancelEpochException
@@ -31,7 +29,7 @@ __all__ = ["ResumeCallback", "STATE_VERSION"]
 
 STATE_VERSION = 1  # the layout of the training-state tree inside a checkpoint
 _SKIP, _RESUME = 1, 2
-_RNG_SAVED, _RNG_EPOCH = 1, 2
+_RNG_SAVED = 1  # frk_rng_action: restore the saved state now (2: the epoch-start state now)
 _TRAIN_BATCH_EVENTS = {"before_batch", "after_pred", "after_loss", "before_backward", "after_backward",
                        "before_step", "after_step", "after_cancel_step", "after_cancel_backward",
                        "after_cancel_batch"}
@@ -66,7 +64,6 @@ class ResumeCallback(Callback):
         self.skip = _core.SkipToIter()
         self.rows = []  # the printed row of every finished epoch
         self.rng_epoch = self.dl_epoch = None
-        self.resumed_at = None
 
     # -- resuming ---------------------------------------------------------------------------
     def before_fit(self):
@@ -132,7 +129,6 @@ class ResumeCallback(Callback):
             dl.get_idxs = skipped_idxs
         pbar = getattr(getattr(learn, "progress", None), "pbar", None)
         if pbar is not None and k: pbar.update(k)
-        self.resumed_at = (self.epoch, k)
         where = f"{self.source} " if self.source else ""
         print(f"fastai_resume: resuming {where}at epoch {self.epoch}, iteration {k}/{n_iter} "
               f"(skip took {time.perf_counter() - self.t0:.3f}s)")

@@ -9,7 +9,6 @@ import time
 import warnings
 
 import pytest
-import torch
 
 import fastai_resume as fr
 

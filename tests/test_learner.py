@@ -2,13 +2,11 @@
 the rules of with_iter."""
 import os
 import sys
-from functools import partial
 
 import pytest
 import torch
 
 import fastai_resume as fr
-from fastai.optimizer import OptimWrapper
 
 sys.path.insert(0, os.path.dirname(__file__))
 from trainer import build  # noqa: E402

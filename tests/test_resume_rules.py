@@ -5,7 +5,6 @@ import sys
 
 import pytest
 
-import fastai_resume as fr
 from fastai_resume import _core
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import ShowGraphCallback

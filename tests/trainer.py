@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 
-import numpy as np
 import torch
 from torch import nn
 
