@@ -310,13 +310,22 @@ static int check_tensor(unsigned kind, unsigned dtype, unsigned ndim, uint64_t b
         return fail(err, FRK_ECORRUPT, 0, "tensor %llu refers to blob %llu of %llu",
                     (unsigned long long)idx, (unsigned long long)blob,
                     (unsigned long long)n_blobs);
-    uint64_t extent, bytes, numel = 1;
+    uint64_t extent, bytes, span = item;
+    int empty = 0;
     /* torch and NumPy count elements and bytes in int64: so must a valid shape (broadcast
-     * strides of 0 let a huge shape fit a tiny blob). */
-    for (unsigned d = 0; d < ndim; d++)
-        if (sizes[d] < 0 || __builtin_mul_overflow(numel, (uint64_t)sizes[d], &numel) ||
-            numel > (uint64_t)INT64_MAX / item)
+     * strides of 0 let a huge shape fit a tiny blob).  NumPy multiplies the non-zero sizes
+     * even when one size is 0, and takes every stride of a non-empty array in bytes. */
+    for (unsigned d = 0; d < ndim; d++) {
+        if (sizes[d] < 0 ||
+            (sizes[d] > 0 && (__builtin_mul_overflow(span, (uint64_t)sizes[d], &span) ||
+                              span > (uint64_t)INT64_MAX)))
             return fail(err, FRK_ECORRUPT, 0, "tensor %llu has an impossible shape",
+                        (unsigned long long)idx);
+        empty |= sizes[d] == 0;
+    }
+    for (unsigned d = 0; d < ndim && !empty; d++)
+        if (strides[d] > INT64_MAX / (int64_t)item)
+            return fail(err, FRK_ECORRUPT, 0, "tensor %llu has an impossible stride",
                         (unsigned long long)idx);
     if (view_extent(ndim, sizes, strides, storage_offset, &extent) ||
         __builtin_mul_overflow(extent, (uint64_t)item, &bytes))
@@ -574,7 +583,9 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
         if (fd >= 0)
             break;
         if (errno != EEXIST || attempt > 100) {
-            rc = io_fail(err, "cannot create temporary file", tmp, errno);
+            int e = errno;
+            rc = fail(err, FRK_EIO, e, "cannot create a temporary file for %s (%s): %s (errno %d)",
+                      path, tmp, strerror(e), e);
             fd = -1;
             goto out;
         }
