@@ -1,5 +1,7 @@
 # The two commands: `make demo` (the main job) and `make test` (the whole suite).
 # Both create or reuse the virtualenv with the pinned dev stack, build the extension, and run.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c  # a fuzzer finding fails the target even through `| tail`
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
