@@ -340,18 +340,18 @@ def _patch():
                     c.learn = self
                     c.arm_resume()
         pending = self._frk_pending if resume else None
-        self._frk_pending = None
+        if not resume: self._frk_pending = None  # ignored, and no longer armed
         saved, source, opt_state = (pending if pending else (None, None, None))
         pos = saved["position"] if saved else None
         if pos is not None and not explicit and pos["fit_index"] != fit_index:
             if fit_index < pos["fit_index"]:
                 print(f"fastai_resume: skipping fit {fit_index} of {pos['fit_index']} (finished before the save)")
-                self._frk_pending = pending
-                return
+                return  # still armed, for the wrapper's next fit
             saved = None
         target = _core.skip_plan(saved is not None, pos["epoch"] if saved else 0, pos["iter"] if saved else 0,
                                  start_epoch if start_epoch else -1, -1 if start_iter is None else start_iter)
-        if saved is not None and not explicit: _check_same_fit(self, pos, n_epoch)
+        if saved is not None and not explicit: _check_same_fit(self, pos, n_epoch)  # raises: still armed
+        self._frk_pending = None
         if explicit and saved is not None and target != (pos["epoch"], pos["iter"]): saved = None
         cb = ResumeCallback(saved, target, fit_index, source, opt_state if saved is not None else None)
         _orig["fit"](self, n_epoch, lr=lr, wd=wd, cbs=L(cb) + L(cbs), reset_opt=reset_opt, start_epoch=0)

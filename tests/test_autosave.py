@@ -5,7 +5,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -59,11 +58,15 @@ def test_random_sigkills_with_autoresume_end_bitwise_equal(tmp_root, tmp_path, t
 def test_sigterm_saves_at_the_current_batch_and_exits_then_resumes_exactly(tmp_root, tmp_path):
     ref = reference(tmp_root)
     args = ("--auto", "100000", "--slow-ms", "30")
-    p = subprocess.Popen(trainer_cmd(tmp_path, tmp_path / "out.frk", *args), env=ENV,
+    p = subprocess.Popen(trainer_cmd(tmp_path, tmp_path / "out.frk", *args), env=dict(ENV, PYTHONUNBUFFERED="1"),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(7.0)
+    seen = []
+    for line in p.stdout:  # epoch 0's row is printed: training is in epoch 1 now, however slow the start
+        seen.append(line)
+        if line.startswith("[0, "): break
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=120)
+    out = "".join(seen) + out
     assert p.returncode == fr.PREEMPTED_EXIT_CODE, out
     assert "SIGTERM: saved auto-f000-e" in out
     saved = [f for f in (tmp_path / "models").glob("auto-*.frk")]

@@ -87,14 +87,15 @@ def test_loading_arms_only_the_next_fit(tmp_path):
     (dict(n_epoch=4), "n_epoch 3 -> 4"),
     (dict(bs=16), "batch size 32 -> 16"),
 ])
-def test_a_different_fit_is_refused_unless_overridden(tmp_path, change, message):
+def test_a_different_fit_is_refused_unless_overridden(tmp_path, capsys, change, message):
     checkpoint(tmp_path)
     learn = fresh(tmp_path, bs=change.get("bs", 32))
     n = change.get("n_epoch", 3)
     with pytest.raises(ValueError, match=message):
         fit(learn, n, 1e-2)
-    learn = fresh(tmp_path, bs=change.get("bs", 32))
-    fit(learn, n, 1e-2, start_epoch=1, start_iter=10)  # explicit: the caller takes responsibility
+    capsys.readouterr()
+    fit(learn, n, 1e-2, start_epoch=1, start_iter=10)  # still armed; explicit: the caller decides
+    assert "at epoch 1, iteration 10/" in capsys.readouterr().out
 
 
 def test_save_model_callback_with_start_epoch_does_not_crash_fastai_3780(tmp_path):
