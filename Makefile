@@ -55,6 +55,7 @@ bench: build
 	$(PY) bench/io.py
 	$(PY) bench/resume.py
 	$(PY) bench/overhead.py
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py
 
 clean:
 	rm -rf build fastai_resume/*.so *.egg-info

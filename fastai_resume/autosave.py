@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from fastai.callback.core import Callback
 
-from . import io
+from . import dist, io
 from .io import CheckpointError
 
 __all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE", "snapshot"]
@@ -65,6 +65,11 @@ class AutoCheckpoint(Callback):
       starts from the beginning.
     - `preempt=True`: on SIGTERM the current batch finishes, a checkpoint is saved synchronously
       and the process exits with status `PREEMPTED_EXIT_CODE` (143).
+    - Under torch.distributed (`distrib_ctx`): every rank runs the callback; rank 0 writes each
+      checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
+      from and alone removes or renames files; a synchronous save returns on every rank once it is
+      committed; a time-based save or a SIGTERM seen by one rank is agreed by all (one all-reduce
+      of a few bytes per batch, over gloo) so that every rank saves at the same batch.
     """
     order = 100  # after the Recorder and the trackers have updated, before ResumeCallback
 
@@ -116,8 +121,13 @@ class AutoCheckpoint(Callback):
         "Called by `fit` before it starts: loads the newest valid checkpoint once per process."
         if not self.resume or self._resumed_once: return
         self._resumed_once = True
-        self._remove_stale_temps()
-        p = self.latest_valid()
+        p = None
+        if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
+            self._remove_stale_temps()
+            p = self.latest_valid()
+        if dist.active():
+            p = dist.broadcast(None if p is None else str(p))
+            p = None if p is None else Path(p)
         if p is None: return
         self.learn.load(p)
         print(f"AutoCheckpoint: found {p.name}")
@@ -137,7 +147,12 @@ class AutoCheckpoint(Callback):
 
     def after_batch(self):
         if not self.training: return
-        if self._preempted:
+        flags = 1 if self._preempted else 0
+        if self.every_seconds and dist.rank() == 0 and time.monotonic() - self.last_time >= self.every_seconds:
+            flags |= 2  # rank 0's clock decides for every rank
+        if dist.active() and (self.preempt or self.every_seconds):
+            flags = dist.agree_any(flags)  # a SIGTERM seen by any rank: every rank saves at this batch
+        if flags & 1:
             self._check_inflight(block=True)
             path = self._save(background=False)
             print(f"AutoCheckpoint: SIGTERM: saved {path.name}, exiting with status {PREEMPTED_EXIT_CODE}", flush=True)
@@ -145,9 +160,7 @@ class AutoCheckpoint(Callback):
             raise SystemExit(PREEMPTED_EXIT_CODE)
         it = self.learn.train_iter
         if self.last_iter is None: self.last_iter = it - 1
-        due = (self.every_iters and it - self.last_iter >= self.every_iters) or \
-              (self.every_seconds and time.monotonic() - self.last_time >= self.every_seconds)
-        if due: self._save()
+        if (self.every_iters and it - self.last_iter >= self.every_iters) or flags & 2: self._save()
 
     def after_epoch(self):
         if self.every_epoch: self._save()
@@ -170,15 +183,18 @@ class AutoCheckpoint(Callback):
         pos = ctl.position() if ctl is not None else None
         if pos is None: return None
         path = self._name(ctl.fit_index, *pos)
-        if path.exists() or (self._inflight and self._inflight[1] == path): return path  # already saved here
+        done = path.exists() or (self._inflight is not None and self._inflight[1] == path)
+        if dist.active(): done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
+        if done: return path  # already saved here
         self._check_inflight(block=True)  # at most one save in flight
-        from .learner import checkpoint_tree
-        tree = checkpoint_tree(learn, with_opt=True, with_iter=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        from .learner import checkpoint_tree, commit
+        tree = checkpoint_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
         if not background:
-            io.save(tree, path)
-            self._committed(path)
+            commit(tree, path)  # under DDP: every rank waits until rank 0 has committed
+            if dist.rank() == 0: self._committed(path)
             return path
+        if tree is None: return path  # not rank 0: nothing to write
+        path.parent.mkdir(parents=True, exist_ok=True)
         w = io.encode(snapshot(tree))
         w.commit_async(str(path))
         self._inflight = (w, path)

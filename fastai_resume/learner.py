@@ -22,7 +22,7 @@ from fastcore.basics import patch
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import _core, io, state
+from . import _core, dist, io, state
 from .io import CheckpointError
 
 __all__ = ["ResumeCallback", "STATE_VERSION"]
@@ -69,11 +69,12 @@ class ResumeCallback(Callback):
     def before_fit(self):
         self.t0 = time.perf_counter()
         self.learn._frk_ctl = self
+        if dist.active(): dist.patch_distributed_dl()
         if self.target is None: return
         epoch, it = self.target
         self.skip.arm(epoch, it, self.n_epoch, len(self.dls.train))
-        sv = self.saved
-        if sv is None: return  # a bare start_epoch / start_iter: skip, restore nothing
+        if self.saved is None: return  # a bare start_epoch / start_iter: skip, restore nothing
+        sv = self.saved = _rank_view(self.saved)
         if self.opt_state is not None:  # again: a wrapper may have cleared it (fine_tune's freeze)
             self.opt.load_state_dict(self.opt_state)
         if sv.get("grads") is not None:  # gradients accumulated over batches not yet stepped
@@ -125,6 +126,7 @@ class ResumeCallback(Callback):
 
             def skipped_idxs():
                 del dl.get_idxs  # one epoch only: back to the class's method
+                if type(dl).__name__ == "DistributedDL": dl.i = k * bs  # its count of this rank's items
                 return _SkippedIdxs(get_idxs()[k * bs:], self._restore_saved_rng)
             dl.get_idxs = skipped_idxs
         pbar = getattr(getattr(learn, "progress", None), "pbar", None)
@@ -180,20 +182,37 @@ class ResumeCallback(Callback):
         if rec is not None and len(rows) == self.epoch and len(rec.values) > self.epoch and epoch > self.epoch:
             rows.append(state.plain(list(rec.log)))  # this epoch's row, logged by the Recorder already
         boundary = it == 0
-        return {
-            "position": {"epoch": epoch, "iter": it, "n_epoch": self.n_epoch, "n_iter": len(self.dls.train),
-                         "bs": self.dls.train.bs, "fit_index": self.fit_index,
-                         "train_iter": learn.train_iter, "pct_train": float(learn.pct_train)},
+        mine = {  # what differs between the ranks of a data-parallel fit
             "rng": state.rng_state(),
             "rng_epoch": self.rng_epoch if self.rng_epoch is not None and not boundary else state.rng_state(),
             "dl_now": state.dl_states(self.dls),
             "dl_epoch": self.dl_epoch if self.dl_epoch is not None and not boundary else state.dl_states(self.dls),
+            "recorder": state.recorder_state(rec) if rec is not None else None,
+        }
+        ranks = dist.gather(mine) if dist.active() else None  # collective: on every rank
+        if dist.rank() != 0: return None  # rank 0 writes
+        return {
+            "position": {"epoch": epoch, "iter": it, "n_epoch": self.n_epoch, "n_iter": len(self.dls.train),
+                         "bs": self.dls.train.bs, "fit_index": self.fit_index,
+                         "train_iter": learn.train_iter, "pct_train": float(learn.pct_train),
+                         "world_size": dist.world(), "n_iter_all": len(dist.unwrap_dl(self.dls.train))},
+            **mine,
+            "ranks": None if ranks is None else [None] + ranks[1:],  # rank 0's are the fields above
             "hypers": state.plain([dict(h) for h in learn.opt.hypers]),
             "grads": _pending_grads(learn.model),
-            "recorder": state.recorder_state(rec) if rec is not None else None,
             "rows": rows,
             "callbacks": state.callback_states(learn),
         }
+
+
+def _rank_view(saved: dict) -> dict:
+    """The saved training state as this rank sees it: its own RNG, loader and Recorder state from
+    `ranks`. With a different world size (allowed only by an explicit start_epoch/start_iter),
+    rank r takes saved rank r mod the saved world size."""
+    ranks = saved.get("ranks")
+    if not ranks: return saved
+    mine = ranks[dist.rank() % len(ranks)]
+    return saved if mine is None else {**saved, **mine}
 
 
 def _pending_grads(model):
@@ -225,8 +244,38 @@ def _model_tree(learn, with_opt: bool) -> dict:
     return tree
 
 
-def checkpoint_tree(learn, with_opt=True, with_iter=False) -> dict:
-    "What `save` stores: the model, the optimizer and, `with_iter`, the training position and state."
+def commit(tree, path) -> None:
+    """Write `tree` to `path` atomically, on rank 0 only. Under torch.distributed every rank calls
+    it and returns once the file is committed, or raises if rank 0 could not write it."""
+    if not dist.active():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        io.save(tree, path)
+        return
+    err = exc = None
+    if dist.rank() == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            io.save(tree, path)
+        except Exception as e:  # every rank must hear of it, or the others wait forever
+            exc, err = e, f"{type(e).__name__}: {e}"
+    err = dist.broadcast(err)
+    if exc is not None: raise exc
+    if err is not None: raise CheckpointError(f"rank 0 could not save {path}: {err}")
+
+
+def checkpoint_tree(learn, with_opt=True, with_iter=False) -> dict | None:
+    """What `save` stores: the model, the optimizer and, `with_iter`, the training position and
+    state. Under torch.distributed, `with_iter` is collective (every rank's RNG, loader and
+    Recorder state go to rank 0) and ranks other than 0 get None: they have nothing to write."""
+    if with_iter and dist.active():
+        if getattr(learn, "opt", None) is None:
+            raise ValueError("save(with_iter=True): the learner has no optimizer yet (call fit or create_opt first)")
+        ctl = getattr(learn, "_frk_ctl", None)
+        train = ctl.capture() if ctl is not None else None
+        if dist.rank() != 0: return None
+        tree = _model_tree(learn, with_opt)
+        tree["train"] = train
+        return tree
     tree = _model_tree(learn, with_opt)
     if with_iter:
         if getattr(learn, "opt", None) is None:
@@ -242,6 +291,7 @@ def _patch():
     if _orig: return
     _orig.update(save=Learner.save, load=Learner.load, fit=Learner.fit, _do_fit=Learner._do_fit,
                  all_batches=Learner.all_batches, _call_one=Learner._call_one)
+    state.install_lazy_losses()
 
     @patch
     def _call_one(self: Learner, event_name):
@@ -278,10 +328,9 @@ def _patch():
             raise ValueError("save(with_iter=True) needs the optimizer state: drop with_opt=False")
         if not with_iter and fmt != "frk":
             return _orig["save"](self, file, with_opt=with_opt, **kwargs)
-        if rank_distrib(): return  # only rank 0 writes, as fastai does
+        if rank_distrib() and not dist.active(): return  # only rank 0 writes, as fastai does
         path = _resolve(self, file, for_load=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        io.save(checkpoint_tree(self, with_opt, with_iter), path)
+        commit(checkpoint_tree(self, with_opt, with_iter), path)  # under DDP: collective
         return path
 
     @patch
@@ -304,17 +353,20 @@ def _patch():
         if not isinstance(tree, dict) or "model" not in tree:
             raise CheckpointError(f"{path}: a fastai_resume file, but not a Learner checkpoint (no 'model')")
         from fastai.torch_core import get_model, to_device
-        try:
-            get_model(self.model).load_state_dict(tree["model"], strict=strict)
-        except RuntimeError as e:
-            raise CheckpointError(f"{path} does not fit this learner's model: {e}") from None
-        if with_opt and "opt" in tree:
+        model = get_model(self.model)
+        bad = _model_mismatch(model.state_dict(), tree["model"], strict)  # before anything is changed
+        if bad: raise CheckpointError(f"{path} does not fit this learner's model: {bad}")
+        if with_opt and "opt" in tree:  # the optimizer first: a mismatch leaves the learner untouched
             opt_sd = to_device(tree["opt"], device) if device is not None and str(device) != "cpu" else tree["opt"]
             try:
                 self.opt.load_state_dict(opt_sd)
             except (AssertionError, KeyError, ValueError) as e:
                 raise CheckpointError(f"{path}: its optimizer state does not fit this learner's optimizer "
                                       f"(different parameter groups?): {e!r}") from None
+        try:
+            model.load_state_dict(tree["model"], strict=strict)
+        except RuntimeError as e:  # checked above; kept for what torch checks beyond keys and shapes
+            raise CheckpointError(f"{path} does not fit this learner's model: {e}") from None
         train = tree.get("train")
         self._frk_pending = (train, path, tree.get("opt")) if resume and train is not None else None
         return self
@@ -385,11 +437,35 @@ def _wrap_fit_method(name):
     setattr(Learner, name, wrapper)
 
 
+def _model_mismatch(current: dict, saved: dict, strict: bool) -> str:
+    "What keeps `saved` from loading into a model whose state dict is `current` ('' if nothing)."
+    import torch
+    out = []
+    if strict:
+        missing, unexpected = sorted(current.keys() - saved.keys()), sorted(saved.keys() - current.keys())
+        if missing: out.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected: out.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    for k in current.keys() & saved.keys():
+        a, b = current[k], saved[k]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
+            out.append(f"{k}: shape {tuple(b.shape)} in the file, {tuple(a.shape)} in the model")
+    return "; ".join(sorted(out)[:8])
+
+
 def _check_same_fit(learn, pos, n_epoch):
     "A resumed fit must be the fit that was saved, or the result silently changes."
+    ws_saved, ws = pos.get("world_size", 1), dist.env_world()
+    if ws_saved != ws:
+        raise ValueError(
+            f"this checkpoint was saved by a fit of {ws_saved} process(es) and this fit runs {ws}: each rank's "
+            f"position, RNG state and share of the data belong to {ws_saved}. Launch {ws_saved} processes to "
+            f"resume exactly; or pass start_epoch (and start_iter) to continue anyway, re-sharded for {ws} "
+            f"(rank r takes saved rank r mod {ws_saved}'s RNG state; not the uninterrupted run's result); "
+            "or resume=False to start over.")
     diffs = []
     if pos["n_epoch"] != n_epoch: diffs.append(f"n_epoch {pos['n_epoch']} -> {n_epoch}")
-    if pos["n_iter"] != len(learn.dls.train): diffs.append(f"batches per epoch {pos['n_iter']} -> {len(learn.dls.train)}")
+    n_all, now = pos.get("n_iter_all", pos["n_iter"]), len(dist.unwrap_dl(learn.dls.train))
+    if n_all != now: diffs.append(f"batches per epoch {n_all} -> {now}")
     if pos["bs"] != learn.dls.train.bs: diffs.append(f"batch size {pos['bs']} -> {learn.dls.train.bs}")
     if diffs:
         raise ValueError("this fit differs from the one that was saved (" + ", ".join(diffs) + "), so resuming "

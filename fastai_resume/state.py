@@ -7,14 +7,17 @@ plus any callback that offers the `resume_state` / `load_resume_state` hook.
 """
 from __future__ import annotations
 
+import gc
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
+from .dist import unwrap_dl
+
 __all__ = ["plain", "rng_state", "set_rng_state", "dl_states", "set_dl_states", "recorder_state",
-           "set_recorder_state", "callback_states", "set_callback_states", "cb_key"]
+           "set_recorder_state", "install_lazy_losses", "RecorderLosses", "callback_states", "set_callback_states", "cb_key"]
 
 
 def plain(v: Any) -> Any:
@@ -50,20 +53,65 @@ def set_rng_state(st: dict) -> None:
 
 
 def dl_states(dls) -> list:
-    "The shuffling RNG of each DataLoader in `dls` (`None` where a loader has none)."
-    return [_py_rng(dl.rng.getstate()) if hasattr(dl, "rng") else None for dl in dls.loaders]
+    """The shuffling RNG of each DataLoader in `dls` (`None` where a loader has none); for fastai's
+    `DistributedDL`, that of the loader it wraps (which draws the epoch's permutation)."""
+    loaders = [unwrap_dl(dl) for dl in dls.loaders]
+    return [_py_rng(dl.rng.getstate()) if hasattr(dl, "rng") else None for dl in loaders]
 
 
 def set_dl_states(dls, states: list) -> None:
-    for dl, s in zip(dls.loaders, states):
+    for dl, s in zip([unwrap_dl(dl) for dl in dls.loaders], states):
         if s is not None and hasattr(dl, "rng"): dl.rng.setstate((s[0], tuple(s[1]), s[2]))
+
+
+def _unbind(t: torch.Tensor) -> list:
+    "`t` as a list of 0-dim tensors, as fast as torch allows (no autograd, no GC pass midway)."
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.no_grad(): return list(t.unbind())
+    finally:
+        if was: gc.enable()
+
+
+class RecorderLosses:
+    """`Recorder.losses`, with the part restored from a checkpoint kept as one tensor until the list
+    is first read. A resumed fit thus starts training without building k 0-dim tensors first; the
+    first read (fastai's own `after_batch` of the first trained batch, or any user code) rebuilds
+    the full plain list of tensors, the same objects an uninterrupted run holds. Stored where
+    fastai keeps it (`__dict__['losses']`, pickled per `Recorder._stateattrs`); the pending tensor
+    lives in `_state`, which fastcore's `Stateful` never pickles."""
+    def __get__(self, rec, owner=None):
+        if rec is None: return self
+        d = rec.__dict__
+        if "losses" not in d: raise AttributeError("losses")
+        base = d.get("_state", {}).pop("frk_losses", None)
+        if base is not None: d["losses"][:0] = _unbind(base)
+        return d["losses"]
+
+    def __set__(self, rec, v):
+        rec.__dict__["losses"] = v
+        rec.__dict__.get("_state", {}).pop("frk_losses", None)
+
+
+def install_lazy_losses() -> None:
+    "Make `Recorder.losses` a `RecorderLosses` (once; called by `import fastai_resume`)."
+    from fastai.learner import Recorder
+    if not isinstance(Recorder.__dict__.get("losses"), RecorderLosses): Recorder.losses = RecorderLosses()
+
+
+def _stacked(losses) -> Any:
+    if losses and all(isinstance(l, torch.Tensor) and l.dim() == 0 for l in losses): return torch.stack(losses)
+    return losses
 
 
 def recorder_state(rec) -> dict:
     sm = rec.smooth_loss
-    losses = rec.losses
-    if losses and all(isinstance(l, torch.Tensor) and l.dim() == 0 for l in losses):
-        losses = torch.stack(losses)  # one blob, not one per batch
+    base = rec.__dict__.get("_state", {}).get("frk_losses")
+    if base is not None:  # still pending: save it and the new tail without rebuilding the list
+        tail = rec.__dict__["losses"]
+        losses = torch.cat([base, torch.stack(tail)]) if tail else base
+    else: losses = _stacked(rec.losses)  # one blob, not one per batch
     return {"lrs": plain(rec.lrs), "iters": plain(rec.iters), "losses": losses,
             "values": plain(rec.values), "smooth_count": sm.count, "smooth_val": sm.val,
             "hps": plain(getattr(rec, "hps", None))}
@@ -74,7 +122,11 @@ def set_recorder_state(learn, st: dict) -> None:
     from fastcore.foundation import L
     losses = st["losses"]
     rec.lrs, rec.iters = list(st["lrs"]), list(st["iters"])
-    rec.losses = list(losses.unbind()) if isinstance(losses, torch.Tensor) else list(losses)
+    if isinstance(losses, torch.Tensor) and losses.dim() == 1 and len(losses):
+        rec.losses = []
+        if isinstance(getattr(type(rec), "losses", None), RecorderLosses): rec.__dict__.setdefault("_state", {})["frk_losses"] = losses
+        else: rec.losses = _unbind(losses)  # a Recorder subclass that defines its own `losses`
+    else: rec.losses = list(losses)
     rec.values = [L(v) for v in st["values"]]
     rec.smooth_loss.count, rec.smooth_loss.val = st["smooth_count"], st["smooth_val"]
     if rec.smooth_loss.count: learn.smooth_loss = rec.smooth_loss.value

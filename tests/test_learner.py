@@ -94,9 +94,25 @@ def test_mismatched_learner_gives_a_clear_error_and_keeps_the_file(tmp_path):
     other = build(tmp_path)
     other.model = torch.nn.Sequential(torch.nn.Linear(64, 10))
     other.opt = None
-    with pytest.raises(fr.CheckpointError, match="does not fit this learner's model"):
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(fr.CheckpointError, match="does not fit this learner's model: .*shape"):
         other.load("m")
     assert fr.load(tmp_path / "models" / "m.frk")["model"]  # still there, intact
+    assert tensors_equal(before, other.model.state_dict())  # and the learner untouched
+
+
+def test_a_mismatched_optimizer_leaves_the_learners_weights_untouched(tmp_path):
+    learn = trained(tmp_path)
+    learn.save("m", with_iter=True)
+    other = build(tmp_path)
+    other.create_opt()
+    other.opt.param_lists = other.opt.param_lists[0][:2], other.opt.param_lists[0][2:]  # two groups now
+    other.opt.hypers = [dict(other.opt.hypers[0]), dict(other.opt.hypers[0])]
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(fr.CheckpointError, match="optimizer state does not fit"):
+        other.load("m")
+    assert tensors_equal(before, other.model.state_dict())
+    assert not tensors_equal(before, learn.model.state_dict())  # the file's weights would differ
 
 
 def test_import_patches_idempotently_and_keeps_signatures():
@@ -124,3 +140,43 @@ def test_the_package_builds_as_a_wheel_with_extension_stub_and_marker(tmp_path):
     assert any(n.startswith("fastai_resume/_core") and n.endswith(".so") for n in names)
     assert "fastai_resume/_core.pyi" in names and "fastai_resume/py.typed" in names
     assert any(n.endswith("entry_points.txt") for n in names)
+
+
+class _SaveAt(__import__("fastai.callback.core", fromlist=["Callback"]).Callback):
+    order = 100
+    def __init__(self, k): self.k = k
+    def after_batch(self):
+        if self.training and self.iter + 1 == self.k:
+            self.learn.save("mid", with_iter=True)
+            raise __import__("fastai.callback.core", fromlist=["x"]).CancelFitException()
+
+
+def test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list(tmp_path):
+    from fastai.callback.core import Callback
+    ref = trained(tmp_path)  # one uninterrupted epoch
+    learn = build(tmp_path)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=_SaveAt(7))
+    seen = {}
+
+    class Probe(Callback):
+        order = 1000
+        def before_batch(self):
+            if not self.training or seen: return
+            rec = self.learn.recorder
+            seen["pending_at_first_batch"] = rec.__dict__["losses"] == []  # nothing built yet
+            seen["pickled"] = set(rec.__getstate__())  # what pickle (learn.export) would store
+            self.learn.save("again", with_iter=True)  # a save in that window sees every loss
+            seen["n_read"] = len(rec.losses)  # a read rebuilds the list
+
+    fresh = build(tmp_path)
+    fresh.load("mid")
+    with fresh.no_bar(), fresh.no_logging(): fresh.fit(1, 1e-3, cbs=Probe())
+    assert seen["pending_at_first_batch"] and seen["n_read"] == 7
+    assert "losses" not in seen["pickled"] and "_state" not in seen["pickled"]
+    losses = fresh.recorder.losses
+    assert type(losses) is list and all(isinstance(l, torch.Tensor) and l.dim() == 0 for l in losses)
+    assert torch.equal(torch.stack(losses), torch.stack(ref.recorder.losses))
+    saved = fr.load(tmp_path / "models" / "again.frk")["train"]["recorder"]["losses"]
+    assert torch.equal(saved, torch.stack(ref.recorder.losses[:7]))
+    fresh.recorder.losses = [torch.tensor(1.0)]  # plain assignment still works, pending or not
+    assert len(fresh.recorder.losses) == 1

@@ -79,9 +79,20 @@ def build(path, nw=0, noise=True, bs=32, torch_opt=False, extra_cbs=()):
                    cbs=list(extra_cbs), path=path, **opt)
 
 
+class SeenItems(Callback):
+    "Records the dataset index of every training item each epoch loads (num_workers=0)."
+    def __init__(self, dl):
+        self.seen, self.orig = {}, dl.create_item
+        dl.create_item = self._item
+    def _item(self, s):
+        self.seen.setdefault(self.learn.epoch, []).append(int(s))
+        return self.orig(s)
+
+
 def result(learn):
     rec = learn.recorder
-    return {"model": {k: v.clone() for k, v in learn.model.state_dict().items()},
+    seen = next((c.seen for c in learn.cbs if isinstance(c, SeenItems)), {})
+    return {"seen": {str(e): torch.tensor(v) for e, v in seen.items()},"model": {k: v.clone() for k, v in learn.model.state_dict().items()},
             "opt": fastai_resume.state.plain(learn.opt.state_dict()),
             "losses": [float(l) for l in rec.losses],
             "lrs": [float(l) for l in rec.lrs],
@@ -108,6 +119,10 @@ def main(argv=None):
     ap.add_argument("--ballast-mb", type=int, default=0, help="a constant buffer this big in the model (slower saves)")
     ap.add_argument("--fsize-mb", type=int, default=0, help="RLIMIT_FSIZE for this process (a full disk)")
     ap.add_argument("--on-error", default="raise")
+    ap.add_argument("--ddp", action="store_true", help="train inside learn.distrib_ctx(cpu=True) (launch with torchrun)")
+    ap.add_argument("--start-epoch", type=int, default=0)
+    ap.add_argument("--shared-rng", action="store_true",
+                    help="negative control under --ddp: every rank resumes with rank 0's RNG state")
     ap.add_argument("--break-data-order", action="store_true",
                     help="negative control: forget the saved DataLoader shuffling state on resume")
     a = ap.parse_args(argv)
@@ -124,6 +139,12 @@ def main(argv=None):
         cbs += [SaveModelCallback(monitor="accuracy", fname="best", with_opt=True),
                 EarlyStoppingCallback(monitor="valid_loss", patience=2)]
     learn = build(a.path, nw=a.workers, noise=not a.no_noise, torch_opt=a.torch_opt, extra_cbs=cbs)
+    if a.workers == 0: learn.add_cb(SeenItems(learn.dls.train))
+    if a.ddp:  # ranks draw different augmentation noise and dropout masks: per-rank RNG matters
+        import fastai.distributed  # noqa: F401  (defines Learner.distrib_ctx)
+        rank = int(os.environ["RANK"])
+        torch.manual_seed(1000 + rank)
+        a.out = f"{a.out}.rank{rank}"
     if a.ballast_mb:
         learn.model.register_buffer("ballast", torch.ones(a.ballast_mb << 18))
     fit_cbs = []
@@ -135,8 +156,10 @@ def main(argv=None):
         if a.break_data_order:
             train = learn._frk_pending[0]
             train["dl_epoch"] = fastai_resume.state.dl_states(learn.dls)
-    with learn.no_bar():
-        if a.method == "fit_one_cycle": learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs)
+        if a.shared_rng: learn._frk_pending[0]["ranks"] = None
+    import contextlib
+    with learn.no_bar(), (learn.distrib_ctx(cpu=True) if a.ddp else contextlib.nullcontext()):
+        if a.method == "fit_one_cycle": learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs, start_epoch=a.start_epoch)
         elif a.method == "fit_flat_cos": learn.fit_flat_cos(a.epochs, 1e-2, cbs=fit_cbs)
         elif a.method == "fit": learn.fit(a.epochs, 1e-3, cbs=fit_cbs)
         elif a.method == "fine_tune": learn.fine_tune(a.epochs, 1e-2, freeze_epochs=1, cbs=fit_cbs)

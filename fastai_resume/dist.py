@@ -1,0 +1,99 @@
+"""torch.distributed plumbing for resumable data-parallel training (fastai's `distrib_ctx`,
+Hugging Face Accelerate, launched by `torchrun` or `accelerate launch`).
+
+Rules: every rank calls `save(with_iter=True)` (as fastai's callbacks do); the ranks' own state
+(RNG, DataLoader shuffling state, Recorder) is gathered to rank 0, which alone writes the one
+checkpoint file, atomically; every rank waits at a barrier until the file is committed. A decision
+that could differ between ranks (a time-based checkpoint, a SIGTERM seen by one rank first) is
+agreed with one small all-reduce, so that every rank saves at the same batch.
+
+Also makes fastai's `DistributedDL` work on the CPU (gloo): fastai broadcasts the epoch's index
+list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU here.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as D
+
+__all__ = ["active", "rank", "world", "gather", "broadcast", "barrier", "agree_any", "env_world",
+           "patch_distributed_dl", "unwrap_dl"]
+
+
+def active() -> bool:
+    "True inside an initialised process group of more than one process."
+    return D.is_available() and D.is_initialized() and D.get_world_size() > 1
+
+
+def rank() -> int: return D.get_rank() if active() else 0
+def world() -> int: return D.get_world_size() if active() else 1
+
+
+def env_world() -> int:
+    "The world size a launcher announced (`WORLD_SIZE`), before or without a process group."
+    return world() if active() else int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+_ctl: dict = {}
+
+
+def _group():
+    """The process group for this module's small control messages: the default group when it is
+    gloo, else a gloo group over the same ranks (created once, collectively, on first use), so
+    that no control message costs a CUDA synchronisation or GPU memory."""
+    if D.get_backend() == "gloo": return None
+    world = D.group.WORLD
+    if _ctl.get("world") is not world: _ctl.update(world=world, group=D.new_group(backend="gloo"))
+    return _ctl["group"]
+
+
+def gather(obj) -> list | None:
+    "Every rank's `obj`, in rank order, on rank 0 (None on the others). Collective."
+    if not active(): return [obj]
+    out = [None] * D.get_world_size() if D.get_rank() == 0 else None
+    D.gather_object(obj, out, dst=0, group=_group())
+    return out
+
+
+def broadcast(obj, src: int = 0):
+    "Rank `src`'s `obj` on every rank. Collective."
+    if not active(): return obj
+    box = [obj]
+    D.broadcast_object_list(box, src=src, group=_group())
+    return box[0]
+
+
+def barrier() -> None:
+    if active(): D.barrier(group=_group())
+
+
+def agree_any(flags: int) -> int:
+    "The bitwise OR of every rank's `flags` (8 bits). Collective."
+    if not active(): return flags
+    t = torch.tensor([(flags >> i) & 1 for i in range(8)], dtype=torch.int32)
+    D.all_reduce(t, op=D.ReduceOp.MAX, group=_group())
+    return sum(int(b) << i for i, b in enumerate(t.tolist()))
+
+
+def unwrap_dl(dl):
+    "The DataLoader that owns the shuffling RNG: fastai's `DistributedDL` wraps the user's one."
+    while type(dl).__name__ == "DistributedDL" and hasattr(dl, "dl"): dl = dl.dl
+    return dl
+
+
+def _broadcast_idxs(self, t, src):
+    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL."
+    dev = torch.device("cuda", torch.cuda.current_device()) if D.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(t, dtype=torch.long, device=dev)
+    D.broadcast(t, src)
+    return t.cpu().tolist()
+
+
+def patch_distributed_dl() -> None:
+    "Called from a fit that runs under a process group: fix fastai's CUDA-only index broadcast."
+    import sys
+    mod = sys.modules.get("fastai.distributed")
+    if mod is None: return
+    ddl = mod.DistributedDL
+    if getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs": ddl._broadcast = _broadcast_idxs

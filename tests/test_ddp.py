@@ -1,0 +1,149 @@
+"""Resume under torch.distributed: 2 processes on the CPU (gloo), launched by torchrun as a user
+launches them, training inside fastai's `distrib_ctx` (Accelerate's DDP and fastai's
+DistributedDL). Each rank draws its own augmentation noise and dropout masks, so per-rank RNG
+state matters; every comparison is made on every rank against the uninterrupted 2-process run."""
+import functools
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import fastai_resume as fr
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import ENV, HERE, equal  # noqa: E402
+
+N_ITER = 23  # per rank: 1500 digits split over 2 ranks, bs 32, drop_last
+BS = 32
+KEYS = ("model", "opt", "losses", "lrs", "values")
+
+
+def torchrun(path, out, *args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            os.path.join(HERE, "trainer.py"), "--ddp", "--path", str(path), "--out", str(out), *args]
+
+
+def launch(path, out, *args, ok=True):
+    p = subprocess.run(torchrun(path, out, *args), capture_output=True, text=True, env=ENV, timeout=600)
+    if ok: assert p.returncode == 0, p.stdout + p.stderr[-5000:]
+    return p
+
+
+def ranks(out):
+    return [fr.load(f"{out}.rank{r}") for r in (0, 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(tmp_root):
+    d = os.path.join(tmp_root, "ddp-ref")
+    os.makedirs(d, exist_ok=True)
+    launch(d, os.path.join(d, "out.frk"))
+    return ranks(os.path.join(d, "out.frk"))
+
+
+def assert_same_on_every_rank(ref, res):
+    for r, (a, b) in enumerate(zip(ref, res)):
+        assert len(b["losses"]) == 3 * N_ITER
+        for key in KEYS:
+            assert equal(a[key], b[key]), f"rank {r}: {key} differs from the uninterrupted run"
+
+
+def test_the_reference_run_shards_every_epoch_across_the_ranks(tmp_root):
+    ref = reference(tmp_root)
+    for e in ("0", "1", "2"):
+        both = torch.cat([ref[0]["seen"][e], ref[1]["seen"][e]])
+        assert sorted(both.tolist()) == list(range(1500))  # every item once per epoch, across ranks
+    assert not torch.equal(ref[0]["seen"]["0"], ref[0]["seen"]["1"])  # reshuffled each epoch
+    assert equal(ref[0]["model"], ref[1]["model"])  # DDP: one model
+    assert ref[0]["losses"] == ref[1]["losses"]  # fastai gathers the loss over the ranks
+
+
+@pytest.mark.parametrize("epoch,k", [(0, 1), (1, 10), (2, N_ITER - 1)], ids=["first-batch", "middle", "last-epoch"])
+def test_kill_at_iteration_k_then_resume_is_bitwise_equal_on_every_rank(tmp_root, tmp_path, epoch, k):
+    ref = reference(tmp_root)
+    p = launch(tmp_path, tmp_path / "dead.frk", "--die-at", f"{epoch},{k}", ok=False)
+    assert p.returncode != 0 and "SIGKILL" in p.stdout + p.stderr  # both ranks died hard after the save
+    ck = fr.load(tmp_path / "models" / "crash.frk")["train"]
+    assert ck["position"]["world_size"] == 2 and (ck["position"]["epoch"], ck["position"]["iter"]) == (epoch, k)
+    assert ck["ranks"][0] is None and not equal(ck["ranks"][1]["rng"]["torch"], ck["rng"]["torch"])
+    p = launch(tmp_path, tmp_path / "res.frk", "--resume", "crash")
+    assert p.stdout.count(f"at epoch {epoch}, iteration {k}/{N_ITER}") == 2  # both ranks, same place
+    res = ranks(tmp_path / "res.frk")
+    assert_same_on_every_rank(ref, res)
+    for r in (0, 1):  # each rank skipped its own share and loaded the rest of it, nothing else
+        assert equal(res[r]["seen"][str(epoch)], ref[r]["seen"][str(epoch)][k * BS:])
+        assert str(epoch - 1) not in res[r]["seen"]
+
+
+def test_negative_control_every_rank_resuming_with_rank0s_rng_breaks_equality(tmp_root, tmp_path):
+    ref = reference(tmp_root)
+    launch(tmp_path, tmp_path / "dead.frk", "--die-at", "1,10", ok=False)
+    launch(tmp_path, tmp_path / "res.frk", "--resume", "crash", "--shared-rng")
+    res = ranks(tmp_path / "res.frk")
+    assert res[0]["losses"][:N_ITER + 10] == ref[0]["losses"][:N_ITER + 10]  # restored history is fine
+    assert not equal(ref[1]["losses"], res[1]["losses"])
+    assert not equal(ref[0]["model"], res[0]["model"])
+
+
+def test_a_different_world_size_is_refused_with_a_clear_error_or_resharded_on_request(tmp_root, tmp_path):
+    launch(tmp_path, tmp_path / "dead.frk", "--die-at", "1,10", ok=False)
+    single = [sys.executable, os.path.join(HERE, "trainer.py"), "--path", str(tmp_path), "--out", str(tmp_path / "one.frk")]
+    p = subprocess.run(single + ["--resume", "crash"], capture_output=True, text=True, env=ENV, timeout=600)
+    assert p.returncode != 0
+    assert "saved by a fit of 2 process(es) and this fit runs 1" in p.stderr and "start_epoch" in p.stderr
+    # the documented rule: an explicit start_epoch continues anyway, re-sharded for 1 process
+    p = subprocess.run(single + ["--resume", "crash", "--start-epoch", "2"], capture_output=True, text=True,
+                       env=ENV, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "at epoch 2, iteration 0/46" in p.stdout
+    assert len(fr.load(tmp_path / "one.frk")["seen"]["2"]) == 1500
+
+
+def _wait_for(p, prefix, seen):
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith(prefix): return
+    raise AssertionError("".join(seen))
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_autocheckpoint_sigkill_of_the_whole_job_then_autoresume_is_bitwise_equal(tmp_root, tmp_path, trial):
+    ref = reference(tmp_root)
+    rng = random.Random(trial)
+    args = ("--auto", "4", "--slow-ms", "20")
+    for row in ("[0, ", "[1, "):  # kill the launcher and both ranks mid-epoch, twice
+        p = subprocess.Popen(torchrun(tmp_path, tmp_path / "out.frk", *args), env=dict(ENV, PYTHONUNBUFFERED="1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        seen = []
+        _wait_for(p, row, seen)
+        time.sleep(rng.uniform(0.05, 0.4))
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+    models = tmp_path / "models"
+    assert fr.load(sorted(models.glob("auto-*.frk"))[-1])["train"]["position"]["world_size"] == 2
+    launch(tmp_path, tmp_path / "out.frk", *args)
+    assert_same_on_every_rank(ref, ranks(tmp_path / "out.frk"))
+    assert not list(models.glob(".*tmp*")) and len(list(models.glob("auto-*.frk"))) == 2  # keep=2, rank 0 only
+
+
+def test_sigterm_to_the_launcher_saves_on_every_rank_at_one_batch_and_resumes_exactly(tmp_root, tmp_path):
+    ref = reference(tmp_root)
+    args = ("--auto", "100000", "--slow-ms", "30")
+    p = subprocess.Popen(torchrun(tmp_path, tmp_path / "out.frk", *args), env=dict(ENV, PYTHONUNBUFFERED="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    _wait_for(p, "[0, ", seen)
+    p.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+    out = "".join(seen) + p.communicate(timeout=120)[0]
+    saved = [l for l in out.splitlines() if l.startswith("AutoCheckpoint: SIGTERM: saved")]
+    assert len(saved) == 2 and saved[0] == saved[1], out  # both ranks agreed on one batch
+    name = saved[0].split("saved ")[1].split(",")[0]
+    pos = fr.load(tmp_path / "models" / name)["train"]["position"]
+    assert pos["epoch"] >= 1 and pos["world_size"] == 2
+    launch(tmp_path, tmp_path / "out.frk", *args)
+    assert_same_on_every_rank(ref, ranks(tmp_path / "out.frk"))
