@@ -81,6 +81,7 @@ class AutoCheckpoint(Callback):
         self.fname, self.every_iters, self.every_seconds, self.every_epoch = fname, every_iters, every_seconds, every_epoch
         self.keep, self.background, self.resume, self.preempt, self.on_error = keep, background, resume, preempt, on_error
         self._inflight = None  # (Writer, final path)
+        self._failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
         self._resumed_once = False
         self.saved = []  # paths committed by this process, oldest first
 
@@ -129,7 +130,13 @@ class AutoCheckpoint(Callback):
             p = dist.broadcast(None if p is None else str(p))
             p = None if p is None else Path(p)
         if p is None: return
-        self.learn.load(p)
+        err = None
+        try: self.learn.load(p)
+        except Exception as e: err = e
+        if dist.active() and dist.agree_any(1 if err is not None else 0):  # one rank failing stops all
+            if err is not None: raise err
+            raise CheckpointError(f"AutoCheckpoint: another rank could not load {p}; see its error")
+        if err is not None: raise err
         print(f"AutoCheckpoint: found {p.name}")
 
     # -- events -----------------------------------------------------------------------------
@@ -150,8 +157,10 @@ class AutoCheckpoint(Callback):
         flags = 1 if self._preempted else 0
         if self.every_seconds and dist.rank() == 0 and time.monotonic() - self.last_time >= self.every_seconds:
             flags |= 2  # rank 0's clock decides for every rank
-        if dist.active() and (self.preempt or self.every_seconds):
+        if self._failure is not None: flags |= 4
+        if dist.active() and (self.preempt or self.every_seconds or self.background):
             flags = dist.agree_any(flags)  # a SIGTERM seen by any rank: every rank saves at this batch
+        if flags & 4: self._raise_failure()
         if flags & 1:
             self._check_inflight(block=True)
             path = self._save(background=False)
@@ -168,6 +177,20 @@ class AutoCheckpoint(Callback):
     def after_fit(self):
         self._check_inflight(block=True)
         self._restore_handler()
+        if dist.active() and dist.agree_any(4 if self._failure is not None else 0): self._raise_failure()
+
+    def _fail(self, msg, exc):
+        "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn."
+        if self.on_error == "warn": return warnings.warn(msg)
+        err = OSError(getattr(exc, "errno", None), msg) if isinstance(exc, OSError) else CheckpointError(msg)
+        if not dist.active(): raise err from exc
+        self._failure = err
+
+    def _raise_failure(self):
+        err, self._failure = self._failure, None
+        if err is not None: raise err
+        raise OSError(None, "AutoCheckpoint: rank 0's save failed (its error says why); the previous "
+                            "checkpoints are intact")
 
     def _restore_handler(self):
         if self._old_handler is not None:
@@ -188,15 +211,21 @@ class AutoCheckpoint(Callback):
         if done: return path  # already saved here
         self._check_inflight(block=True)  # at most one save in flight
         from .learner import checkpoint_tree, commit
-        tree = checkpoint_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
-        if not background:
-            commit(tree, path)  # under DDP: every rank waits until rank 0 has committed
+        if not background:  # under DDP: every rank waits until rank 0 has committed
+            commit(lambda: checkpoint_tree(learn, with_opt=True, with_iter=True), path)
             if dist.rank() == 0: self._committed(path)
             return path
+        tree = checkpoint_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
         if tree is None: return path  # not rank 0: nothing to write
-        path.parent.mkdir(parents=True, exist_ok=True)
-        w = io.encode(snapshot(tree))
-        w.commit_async(str(path))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            w = io.encode(snapshot(tree))
+            w.commit_async(str(path))
+        except (OSError, TypeError, ValueError, RuntimeError) as e:
+            if not dist.active(): raise
+            self._fail(f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints "
+                       "are intact.", e)
+            return None
         self._inflight = (w, path)
         return path
 
@@ -208,9 +237,8 @@ class AutoCheckpoint(Callback):
         try:
             w.wait()
         except OSError as e:
-            msg = f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact."
-            if self.on_error == "raise": raise OSError(e.errno, msg) from e
-            warnings.warn(msg)
+            self._fail(f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are "
+                       "intact.", e)
             return
         self._committed(path)
 

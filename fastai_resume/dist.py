@@ -12,13 +12,13 @@ list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays o
 """
 from __future__ import annotations
 
-import os
+import sys
 
 import torch
 import torch.distributed as D
 
-__all__ = ["active", "rank", "world", "gather", "broadcast", "barrier", "agree_any", "env_world",
-           "patch_distributed_dl", "unwrap_dl"]
+__all__ = ["active", "rank", "world", "gather", "broadcast", "barrier", "agree_any",
+           "patch_distributed_dl", "unwrap_dl", "is_distributed_dl"]
 
 
 def active() -> bool:
@@ -28,11 +28,6 @@ def active() -> bool:
 
 def rank() -> int: return D.get_rank() if active() else 0
 def world() -> int: return D.get_world_size() if active() else 1
-
-
-def env_world() -> int:
-    "The world size a launcher announced (`WORLD_SIZE`), before or without a process group."
-    return world() if active() else int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 _ctl: dict = {}
@@ -69,16 +64,22 @@ def barrier() -> None:
 
 
 def agree_any(flags: int) -> int:
-    "The bitwise OR of every rank's `flags` (8 bits). Collective."
+    "The bitwise OR of every rank's `flags` (bits 0-7; sent as 8 int32, 32 bytes). Collective."
     if not active(): return flags
     t = torch.tensor([(flags >> i) & 1 for i in range(8)], dtype=torch.int32)
     D.all_reduce(t, op=D.ReduceOp.MAX, group=_group())
     return sum(int(b) << i for i, b in enumerate(t.tolist()))
 
 
+def is_distributed_dl(dl) -> bool:
+    "Is `dl` fastai's `DistributedDL` (or a subclass)? Without fastai.distributed loaded, it cannot be."
+    mod = sys.modules.get("fastai.distributed")
+    return mod is not None and isinstance(dl, mod.DistributedDL)
+
+
 def unwrap_dl(dl):
     "The DataLoader that owns the shuffling RNG: fastai's `DistributedDL` wraps the user's one."
-    while type(dl).__name__ == "DistributedDL" and hasattr(dl, "dl"): dl = dl.dl
+    while is_distributed_dl(dl) and hasattr(dl, "dl"): dl = dl.dl
     return dl
 
 
@@ -91,8 +92,7 @@ def _broadcast_idxs(self, t, src):
 
 
 def patch_distributed_dl() -> None:
-    "Called from a fit that runs under a process group: fix fastai's CUDA-only index broadcast."
-    import sys
+    "Called at a fit's or validation's start under a process group: fix fastai's CUDA-only broadcast."
     mod = sys.modules.get("fastai.distributed")
     if mod is None: return
     ddl = mod.DistributedDL

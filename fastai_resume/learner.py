@@ -69,7 +69,6 @@ class ResumeCallback(Callback):
     def before_fit(self):
         self.t0 = time.perf_counter()
         self.learn._frk_ctl = self
-        if dist.active(): dist.patch_distributed_dl()
         if self.target is None: return
         epoch, it = self.target
         self.skip.arm(epoch, it, self.n_epoch, len(self.dls.train))
@@ -126,7 +125,7 @@ class ResumeCallback(Callback):
 
             def skipped_idxs():
                 del dl.get_idxs  # one epoch only: back to the class's method
-                if type(dl).__name__ == "DistributedDL": dl.i = k * bs  # its count of this rank's items
+                if dist.is_distributed_dl(dl): dl.i = k * bs  # its count of this rank's items
                 return _SkippedIdxs(get_idxs()[k * bs:], self._restore_saved_rng)
             dl.get_idxs = skipped_idxs
         pbar = getattr(getattr(learn, "progress", None), "pbar", None)
@@ -207,11 +206,10 @@ class ResumeCallback(Callback):
 
 def _rank_view(saved: dict) -> dict:
     """The saved training state as this rank sees it: its own RNG, loader and Recorder state from
-    `ranks`. With a different world size (allowed only by an explicit start_epoch/start_iter),
-    rank r takes saved rank r mod the saved world size."""
+    `ranks` (`fit` uses no saved state at all when the world size differs)."""
     ranks = saved.get("ranks")
-    if not ranks: return saved
-    mine = ranks[dist.rank() % len(ranks)]
+    if not ranks or dist.rank() >= len(ranks): return saved
+    mine = ranks[dist.rank()]
     return saved if mine is None else {**saved, **mine}
 
 
@@ -244,23 +242,27 @@ def _model_tree(learn, with_opt: bool) -> dict:
     return tree
 
 
-def commit(tree, path) -> None:
-    """Write `tree` to `path` atomically, on rank 0 only. Under torch.distributed every rank calls
-    it and returns once the file is committed, or raises if rank 0 could not write it."""
+def commit(build, path) -> None:
+    """Write the tree `build()` returns to `path` atomically, on rank 0 only. Under
+    torch.distributed every rank calls it (`build` may be collective) and returns once the file is
+    committed, or raises if rank 0 could not build or write it."""
     if not dist.active():
+        tree = build()
         path.parent.mkdir(parents=True, exist_ok=True)
         io.save(tree, path)
         return
-    err = exc = None
-    if dist.rank() == 0:
-        try:
+    exc = None
+    try:
+        tree = build()
+        if dist.rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             io.save(tree, path)
-        except Exception as e:  # every rank must hear of it, or the others wait forever
-            exc, err = e, f"{type(e).__name__}: {e}"
-    err = dist.broadcast(err)
+    except Exception as e:  # every rank must hear of it, or the others wait forever
+        exc = e
+    if not dist.agree_any(1 if exc is not None else 0): return  # committed, and every rank knows
+    why = dist.broadcast(f"{type(exc).__name__}: {exc}" if exc is not None else "it failed on another rank")
     if exc is not None: raise exc
-    if err is not None: raise CheckpointError(f"rank 0 could not save {path}: {err}")
+    raise CheckpointError(f"the checkpoint {path} was not saved (rank 0: {why}); the previous files are intact")
 
 
 def checkpoint_tree(learn, with_opt=True, with_iter=False) -> dict | None:
@@ -296,6 +298,7 @@ def _patch():
     @patch
     def _call_one(self: Learner, event_name):
         self._frk_event = event_name
+        if event_name in ("before_fit", "before_validate") and dist.active(): dist.patch_distributed_dl()
         _orig["_call_one"](self, event_name)
 
     @patch
@@ -330,7 +333,7 @@ def _patch():
             return _orig["save"](self, file, with_opt=with_opt, **kwargs)
         if rank_distrib() and not dist.active(): return  # only rank 0 writes, as fastai does
         path = _resolve(self, file, for_load=False)
-        commit(checkpoint_tree(self, with_opt, with_iter), path)  # under DDP: collective
+        commit(lambda: checkpoint_tree(self, with_opt, with_iter), path)  # under DDP: collective
         return path
 
     @patch
@@ -356,8 +359,10 @@ def _patch():
         model = get_model(self.model)
         bad = _model_mismatch(model.state_dict(), tree["model"], strict)  # before anything is changed
         if bad: raise CheckpointError(f"{path} does not fit this learner's model: {bad}")
+        prev_opt = None
         if with_opt and "opt" in tree:  # the optimizer first: a mismatch leaves the learner untouched
             opt_sd = to_device(tree["opt"], device) if device is not None and str(device) != "cpu" else tree["opt"]
+            prev_opt = self.opt.state_dict()
             try:
                 self.opt.load_state_dict(opt_sd)
             except (AssertionError, KeyError, ValueError) as e:
@@ -366,6 +371,7 @@ def _patch():
         try:
             model.load_state_dict(tree["model"], strict=strict)
         except RuntimeError as e:  # checked above; kept for what torch checks beyond keys and shapes
+            if prev_opt is not None: self.opt.load_state_dict(prev_opt)
             raise CheckpointError(f"{path} does not fit this learner's model: {e}") from None
         train = tree.get("train")
         self._frk_pending = (train, path, tree.get("opt")) if resume and train is not None else None
@@ -404,7 +410,9 @@ def _patch():
                                  start_epoch if start_epoch else -1, -1 if start_iter is None else start_iter)
         if saved is not None and not explicit: _check_same_fit(self, pos, n_epoch)  # raises: still armed
         self._frk_pending = None
-        if explicit and saved is not None and target != (pos["epoch"], pos["iter"]): saved = None
+        if explicit and saved is not None and (target != (pos["epoch"], pos["iter"])
+                                               or pos.get("world_size", 1) != dist.world()):
+            saved = None  # another position or sharding: the model and optimizer, not the saved state
         cb = ResumeCallback(saved, target, fit_index, source, opt_state if saved is not None else None)
         _orig["fit"](self, n_epoch, lr=lr, wd=wd, cbs=L(cb) + L(cbs), reset_opt=reset_opt, start_epoch=0)
 
@@ -454,14 +462,14 @@ def _model_mismatch(current: dict, saved: dict, strict: bool) -> str:
 
 def _check_same_fit(learn, pos, n_epoch):
     "A resumed fit must be the fit that was saved, or the result silently changes."
-    ws_saved, ws = pos.get("world_size", 1), dist.env_world()
+    ws_saved, ws = pos.get("world_size", 1), dist.world()
     if ws_saved != ws:
         raise ValueError(
             f"this checkpoint was saved by a fit of {ws_saved} process(es) and this fit runs {ws}: each rank's "
             f"position, RNG state and share of the data belong to {ws_saved}. Launch {ws_saved} processes to "
-            f"resume exactly; or pass start_epoch (and start_iter) to continue anyway, re-sharded for {ws} "
-            f"(rank r takes saved rank r mod {ws_saved}'s RNG state; not the uninterrupted run's result); "
-            "or resume=False to start over.")
+            f"resume exactly; or pass start_epoch (and start_iter) to continue anyway from the checkpoint's "
+            f"model and optimizer, re-sharded for {ws} (not the uninterrupted run's result); or resume=False "
+            "to start over.")
     diffs = []
     if pos["n_epoch"] != n_epoch: diffs.append(f"n_epoch {pos['n_epoch']} -> {n_epoch}")
     n_all, now = pos.get("n_iter_all", pos["n_iter"]), len(dist.unwrap_dl(learn.dls.train))

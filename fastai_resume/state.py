@@ -79,8 +79,8 @@ class RecorderLosses:
     is first read. A resumed fit thus starts training without building k 0-dim tensors first; the
     first read (fastai's own `after_batch` of the first trained batch, or any user code) rebuilds
     the full plain list of tensors, the same objects an uninterrupted run holds. Stored where
-    fastai keeps it (`__dict__['losses']`, pickled per `Recorder._stateattrs`); the pending tensor
-    lives in `_state`, which fastcore's `Stateful` never pickles."""
+    fastai keeps it (`__dict__['losses']`, left out of pickles by `Recorder._stateattrs`, as before);
+    the pending tensor lives in `_state`, which fastcore's `Stateful` never pickles either."""
     def __get__(self, rec, owner=None):
         if rec is None: return self
         d = rec.__dict__

@@ -39,10 +39,10 @@ def ranks(out):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(tmp_root):
-    d = os.path.join(tmp_root, "ddp-ref")
+def reference(tmp_root, *args):
+    d = os.path.join(tmp_root, "ddp-ref" + "_".join(a.strip("-") for a in args))
     os.makedirs(d, exist_ok=True)
-    launch(d, os.path.join(d, "out.frk"))
+    launch(d, os.path.join(d, "out.frk"), *args)
     return ranks(os.path.join(d, "out.frk"))
 
 
@@ -80,6 +80,15 @@ def test_kill_at_iteration_k_then_resume_is_bitwise_equal_on_every_rank(tmp_root
         assert str(epoch - 1) not in res[r]["seen"]
 
 
+def test_two_loader_workers_per_rank_resume_bitwise_equal(tmp_root, tmp_path):
+    "Without random item transforms (those draw from worker RNG; see the README), workers are exact."
+    args = ("--workers", "2", "--no-noise")
+    ref = reference(tmp_root, *args)
+    launch(tmp_path, tmp_path / "dead.frk", "--die-at", "1,10", *args, ok=False)
+    launch(tmp_path, tmp_path / "res.frk", "--resume", "crash", *args)
+    assert_same_on_every_rank(ref, ranks(tmp_path / "res.frk"))
+
+
 def test_negative_control_every_rank_resuming_with_rank0s_rng_breaks_equality(tmp_root, tmp_path):
     ref = reference(tmp_root)
     launch(tmp_path, tmp_path / "dead.frk", "--die-at", "1,10", ok=False)
@@ -111,11 +120,12 @@ def _wait_for(p, prefix, seen):
     raise AssertionError("".join(seen))
 
 
-@pytest.mark.parametrize("trial", range(2))
-def test_autocheckpoint_sigkill_of_the_whole_job_then_autoresume_is_bitwise_equal(tmp_root, tmp_path, trial):
+@pytest.mark.parametrize("trial,every", [(0, ("--auto", "4")), (1, ("--auto-seconds", "0.15"))],
+                         ids=["every_iters", "every_seconds"])
+def test_autocheckpoint_sigkill_of_the_whole_job_then_autoresume_is_bitwise_equal(tmp_root, tmp_path, trial, every):
     ref = reference(tmp_root)
     rng = random.Random(trial)
-    args = ("--auto", "4", "--slow-ms", "20")
+    args = every + ("--slow-ms", "20")  # every_seconds: rank 0's clock, agreed by both ranks
     for row in ("[0, ", "[1, "):  # kill the launcher and both ranks mid-epoch, twice
         p = subprocess.Popen(torchrun(tmp_path, tmp_path / "out.frk", *args), env=dict(ENV, PYTHONUNBUFFERED="1"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -147,3 +157,16 @@ def test_sigterm_to_the_launcher_saves_on_every_rank_at_one_batch_and_resumes_ex
     assert pos["epoch"] >= 1 and pos["world_size"] == 2
     launch(tmp_path, tmp_path / "out.frk", *args)
     assert_same_on_every_rank(ref, ranks(tmp_path / "out.frk"))
+
+
+@pytest.mark.parametrize("mode", ["background", "sync"])
+def test_a_save_failing_on_rank0_stops_every_rank_promptly_and_keeps_the_old_files(tmp_path, mode):
+    "A full disk on rank 0 (RLIMIT_FSIZE) must raise on every rank, not leave rank 1 waiting for it."
+    args = ("--auto", "5", "--ballast-mb", "8", "--fsize-mb", "4") + (("--auto-sync",) if mode == "sync" else ())
+    t0 = time.monotonic()
+    p = launch(tmp_path, tmp_path / "out.frk", *args, ok=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and time.monotonic() - t0 < 240, out[-3000:]  # not a process-group timeout
+    assert "File too large" in out and "previous" in out
+    assert "[rank1]" in out and ("rank 0's save failed" in out or "was not saved (rank 0: " in out), out[-3000:]
+    assert not list((tmp_path / "models").glob(".*tmp*"))

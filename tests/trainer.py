@@ -114,6 +114,7 @@ def main(argv=None):
     ap.add_argument("--torch-opt", action="store_true")
     ap.add_argument("--method", default="fit_one_cycle")
     ap.add_argument("--auto", type=int, default=0, help="AutoCheckpoint every N iterations, with autoresume")
+    ap.add_argument("--auto-seconds", type=float, default=None, help="AutoCheckpoint every_seconds")
     ap.add_argument("--auto-sync", action="store_true", help="AutoCheckpoint without background saves")
     ap.add_argument("--slow-ms", type=float, default=0, help="sleep this long per batch (to widen kill windows)")
     ap.add_argument("--ballast-mb", type=int, default=0, help="a constant buffer this big in the model (slower saves)")
@@ -128,9 +129,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     cbs = []
     if a.grad_acc: cbs.append(GradientAccumulation(a.grad_acc))
-    if a.auto:
-        cbs.append(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, background=not a.auto_sync,
-                                                on_error=a.on_error))
+    if a.auto or a.auto_seconds:
+        cbs.append(fastai_resume.AutoCheckpoint(every_iters=a.auto or None, every_seconds=a.auto_seconds, keep=2,
+                                                background=not a.auto_sync, on_error=a.on_error))
     if a.fsize_mb:
         import resource
         resource.setrlimit(resource.RLIMIT_FSIZE, (a.fsize_mb << 20, a.fsize_mb << 20))
