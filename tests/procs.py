@@ -20,6 +20,21 @@ def trainer_cmd(path, out, *args):
     return [sys.executable, os.path.join(HERE, "trainer.py"), "--path", str(path), "--out", str(out), *args]
 
 
+def start(cmd, **kw):
+    "Popen of `cmd` with unbuffered, merged output to read line by line."
+    return subprocess.Popen(cmd, env=dict(ENV, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def wait_for_line(p, prefix) -> list:
+    "Reads `p`'s output until a line starts with `prefix`; returns the lines read."
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith(prefix): return seen
+    raise AssertionError("".join(seen))
+
+
 def run(path, out, *args, expect_kill=False):
     p = subprocess.run(trainer_cmd(path, out, *args), capture_output=True, text=True, env=ENV, timeout=600)
     if expect_kill:

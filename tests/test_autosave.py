@@ -12,7 +12,7 @@ import pytest
 import fastai_resume as fr
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import ENV, N_ITER, assert_same_run, reference, run, trainer_cmd  # noqa: E402
+from procs import ENV, N_ITER, assert_same_run, reference, run, start, trainer_cmd, wait_for_line  # noqa: E402
 from trainer import build  # noqa: E402
 
 STATE = ("--epochs", "2", "--ballast-mb", "8")  # a bigger state: saves take long enough to be hit
@@ -58,12 +58,8 @@ def test_random_sigkills_with_autoresume_end_bitwise_equal(tmp_root, tmp_path, t
 def test_sigterm_saves_at_the_current_batch_and_exits_then_resumes_exactly(tmp_root, tmp_path):
     ref = reference(tmp_root)
     args = ("--auto", "100000", "--slow-ms", "30")
-    p = subprocess.Popen(trainer_cmd(tmp_path, tmp_path / "out.frk", *args), env=dict(ENV, PYTHONUNBUFFERED="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in p.stdout:  # epoch 0's row is printed: training is in epoch 1 now, however slow the start
-        seen.append(line)
-        if line.startswith("[0, "): break
+    p = start(trainer_cmd(tmp_path, tmp_path / "out.frk", *args))
+    seen = wait_for_line(p, "[0, ")  # epoch 0's row is printed: training is in epoch 1 now, however slow the start
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=120)
     out = "".join(seen) + out

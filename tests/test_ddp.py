@@ -16,7 +16,7 @@ import torch
 import fastai_resume as fr
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import ENV, HERE, equal  # noqa: E402
+from procs import ENV, HERE, equal, start, wait_for_line  # noqa: E402
 
 N_ITER = 23  # per rank: 1500 digits split over 2 ranks, bs 32, drop_last
 BS = 32
@@ -113,13 +113,6 @@ def test_a_different_world_size_is_refused_with_a_clear_error_or_resharded_on_re
     assert len(fr.load(tmp_path / "one.frk")["seen"]["2"]) == 1500
 
 
-def _wait_for(p, prefix, seen):
-    for line in p.stdout:
-        seen.append(line)
-        if line.startswith(prefix): return
-    raise AssertionError("".join(seen))
-
-
 @pytest.mark.parametrize("trial,every", [(0, ("--auto", "4")), (1, ("--auto-seconds", "0.15"))],
                          ids=["every_iters", "every_seconds"])
 def test_autocheckpoint_sigkill_of_the_whole_job_then_autoresume_is_bitwise_equal(tmp_root, tmp_path, trial, every):
@@ -127,10 +120,8 @@ def test_autocheckpoint_sigkill_of_the_whole_job_then_autoresume_is_bitwise_equa
     rng = random.Random(trial)
     args = every + ("--slow-ms", "20")  # every_seconds: rank 0's clock, agreed by both ranks
     for row in ("[0, ", "[1, "):  # kill the launcher and both ranks mid-epoch, twice
-        p = subprocess.Popen(torchrun(tmp_path, tmp_path / "out.frk", *args), env=dict(ENV, PYTHONUNBUFFERED="1"),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        seen = []
-        _wait_for(p, row, seen)
+        p = start(torchrun(tmp_path, tmp_path / "out.frk", *args), start_new_session=True)
+        wait_for_line(p, row)
         time.sleep(rng.uniform(0.05, 0.4))
         os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
@@ -144,10 +135,8 @@ def test_autocheckpoint_sigkill_of_the_whole_job_then_autoresume_is_bitwise_equa
 def test_sigterm_to_the_launcher_saves_on_every_rank_at_one_batch_and_resumes_exactly(tmp_root, tmp_path):
     ref = reference(tmp_root)
     args = ("--auto", "100000", "--slow-ms", "30")
-    p = subprocess.Popen(torchrun(tmp_path, tmp_path / "out.frk", *args), env=dict(ENV, PYTHONUNBUFFERED="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    _wait_for(p, "[0, ", seen)
+    p = start(torchrun(tmp_path, tmp_path / "out.frk", *args))
+    seen = wait_for_line(p, "[0, ")
     p.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
     out = "".join(seen) + p.communicate(timeout=120)[0]
     saved = [l for l in out.splitlines() if l.startswith("AutoCheckpoint: SIGTERM: saved")]
