@@ -27,11 +27,11 @@ def start(cmd, **kw):
 
 
 def wait_for_line(p, prefix) -> list:
-    "Reads `p`'s output until a line starts with `prefix`; returns the lines read."
+    "Reads `p`'s output until a line holds `prefix` (ranks' lines may interleave); returns the lines read."
     seen = []
     for line in p.stdout:
         seen.append(line)
-        if line.startswith(prefix): return seen
+        if prefix in line: return seen
     raise AssertionError("".join(seen))
 
 
