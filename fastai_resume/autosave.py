@@ -68,8 +68,9 @@ class AutoCheckpoint(Callback):
     - Under torch.distributed (`distrib_ctx`): every rank runs the callback; rank 0 writes each
       checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
       from and alone removes or renames files; a synchronous save returns on every rank once it is
-      committed; a time-based save or a SIGTERM seen by one rank is agreed by all (one all-reduce
-      of a few bytes per batch, over gloo) so that every rank saves at the same batch.
+      committed; a time-based save, a SIGTERM seen by one rank and a failed save are agreed by
+      all (one all-reduce of 32 bytes per batch, over gloo) so that every rank saves, or raises,
+      at the same batch.
     """
     order = 100  # after the Recorder and the trackers have updated, before ResumeCallback
 
@@ -126,6 +127,7 @@ class AutoCheckpoint(Callback):
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
             self._remove_stale_temps()
             p = self.latest_valid()
+            if p is not None: self._retain()  # a run killed between a commit and its retention
         if dist.active():
             p = dist.broadcast(None if p is None else str(p))
             p = None if p is None else Path(p)
@@ -243,8 +245,11 @@ class AutoCheckpoint(Callback):
         self._committed(path)
 
     def _committed(self, path):
-        "Retention, only ever after a commit: the newest `keep` stay."
+        "Retention, only ever after a commit (and at autoresume): the newest `keep` stay."
         self.saved.append(path)
+        self._retain()
+
+    def _retain(self):
         for old in self.checkpoints()[:-self.keep]:
             try: old.unlink()
             except OSError as e: warnings.warn(f"AutoCheckpoint: could not remove {old}: {e}")

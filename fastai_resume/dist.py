@@ -3,9 +3,10 @@ Hugging Face Accelerate, launched by `torchrun` or `accelerate launch`).
 
 Rules: every rank calls `save(with_iter=True)` (as fastai's callbacks do); the ranks' own state
 (RNG, DataLoader shuffling state, Recorder) is gathered to rank 0, which alone writes the one
-checkpoint file, atomically; every rank waits at a barrier until the file is committed. A decision
-that could differ between ranks (a time-based checkpoint, a SIGTERM seen by one rank first) is
-agreed with one small all-reduce, so that every rank saves at the same batch.
+checkpoint file, atomically; every rank returns once the file is committed, or raises with the
+others. A decision that could differ between ranks (a time-based checkpoint, a SIGTERM seen by one
+rank first, a failed background save) is agreed with one small all-reduce, so that every rank
+saves, or stops, at the same batch.
 
 Also makes fastai's `DistributedDL` work on the CPU (gloo): fastai broadcasts the epoch's index
 list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU here.
@@ -17,7 +18,7 @@ import sys
 import torch
 import torch.distributed as D
 
-__all__ = ["active", "rank", "world", "gather", "broadcast", "barrier", "agree_any",
+__all__ = ["active", "rank", "world", "gather", "broadcast", "agree_any",
            "patch_distributed_dl", "unwrap_dl", "is_distributed_dl"]
 
 
@@ -57,10 +58,6 @@ def broadcast(obj, src: int = 0):
     box = [obj]
     D.broadcast_object_list(box, src=src, group=_group())
     return box[0]
-
-
-def barrier() -> None:
-    if active(): D.barrier(group=_group())
 
 
 def agree_any(flags: int) -> int:

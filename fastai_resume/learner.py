@@ -269,21 +269,15 @@ def checkpoint_tree(learn, with_opt=True, with_iter=False) -> dict | None:
     """What `save` stores: the model, the optimizer and, `with_iter`, the training position and
     state. Under torch.distributed, `with_iter` is collective (every rank's RNG, loader and
     Recorder state go to rank 0) and ranks other than 0 get None: they have nothing to write."""
-    if with_iter and dist.active():
-        if getattr(learn, "opt", None) is None:
-            raise ValueError("save(with_iter=True): the learner has no optimizer yet (call fit or create_opt first)")
-        ctl = getattr(learn, "_frk_ctl", None)
-        train = ctl.capture() if ctl is not None else None
-        if dist.rank() != 0: return None
-        tree = _model_tree(learn, with_opt)
-        tree["train"] = train
-        return tree
-    tree = _model_tree(learn, with_opt)
+    train = None
     if with_iter:
         if getattr(learn, "opt", None) is None:
             raise ValueError("save(with_iter=True): the learner has no optimizer yet (call fit or create_opt first)")
         ctl = getattr(learn, "_frk_ctl", None)
-        tree["train"] = ctl.capture() if ctl is not None else None
+        train = ctl.capture() if ctl is not None else None
+    if dist.rank() != 0: return None
+    tree = _model_tree(learn, with_opt)
+    if with_iter: tree["train"] = train
     return tree
 
 

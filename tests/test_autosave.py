@@ -95,6 +95,21 @@ def test_retention_keeps_newest_k_and_skips_a_corrupt_newest(tmp_path):
     fr.load(cb2.checkpoints()[0])
 
 
+def test_a_kill_between_the_last_commit_and_its_retention_is_trimmed_at_autoresume(tmp_path):
+    "The run died after committing its final checkpoint and before removing the oldest one."
+    cb = fr.AutoCheckpoint(every_iters=20, keep=2, background=False)
+    learn = build(tmp_path, noise=False, extra_cbs=[cb])
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    kept = [p.name for p in cb.checkpoints()]
+    assert kept == ["auto-f000-e000000-i0000000040.frk", "auto-f000-e000001-i0000000000.frk"]
+    stale = cb.folder / "auto-f000-e000000-i0000000020.frk"  # what retention would have removed
+    stale.write_bytes((cb.folder / kept[0]).read_bytes())
+    cb2 = fr.AutoCheckpoint(every_iters=20, keep=2, background=False)
+    learn2 = build(tmp_path, noise=False, extra_cbs=[cb2])
+    with learn2.no_bar(), learn2.no_logging(): learn2.fit(1, 1e-3)  # resumes at the end: nothing to save
+    assert [p.name for p in cb2.checkpoints()] == kept
+
+
 def test_no_checkpoint_starts_from_the_beginning(tmp_path):
     cb = fr.AutoCheckpoint(every_iters=20, keep=2)
     learn = build(tmp_path, noise=False, extra_cbs=[cb])
