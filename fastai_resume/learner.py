@@ -246,19 +246,16 @@ def commit(build, path) -> None:
     """Write the tree `build()` returns to `path` atomically, on rank 0 only. Under
     torch.distributed every rank calls it (`build` may be collective) and returns once the file is
     committed, or raises if rank 0 could not build or write it."""
-    if not dist.active():
-        tree = build()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        io.save(tree, path)
-        return
     exc = None
     try:
         tree = build()
         if dist.rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             io.save(tree, path)
-    except Exception as e:  # every rank must hear of it, or the others wait forever
+    except Exception as e:  # under DDP every rank must hear of it, or the others wait forever
+        if not dist.active(): raise
         exc = e
+    if not dist.active(): return
     if not dist.agree_any(1 if exc is not None else 0): return  # committed, and every rank knows
     why = dist.broadcast(f"{type(exc).__name__}: {exc}" if exc is not None else "it failed on another rank")
     if exc is not None: raise exc

@@ -17,7 +17,8 @@ import torch
 from .dist import unwrap_dl
 
 __all__ = ["plain", "rng_state", "set_rng_state", "dl_states", "set_dl_states", "recorder_state",
-           "set_recorder_state", "install_lazy_losses", "RecorderLosses", "callback_states", "set_callback_states", "cb_key"]
+           "set_recorder_state", "install_lazy_losses", "RecorderLosses", "callback_states",
+           "set_callback_states", "cb_key"]
 
 
 def plain(v: Any) -> Any:
@@ -100,18 +101,16 @@ def install_lazy_losses() -> None:
     if not isinstance(Recorder.__dict__.get("losses"), RecorderLosses): Recorder.losses = RecorderLosses()
 
 
-def _stacked(losses) -> Any:
-    if losses and all(isinstance(l, torch.Tensor) and l.dim() == 0 for l in losses): return torch.stack(losses)
-    return losses
-
-
 def recorder_state(rec) -> dict:
     sm = rec.smooth_loss
     base = rec.__dict__.get("_state", {}).get("frk_losses")
     if base is not None:  # still pending: save it and the new tail without rebuilding the list
         tail = rec.__dict__["losses"]
         losses = torch.cat([base, torch.stack(tail)]) if tail else base
-    else: losses = _stacked(rec.losses)  # one blob, not one per batch
+    else:
+        losses = rec.losses
+        if losses and all(isinstance(l, torch.Tensor) and l.dim() == 0 for l in losses):
+            losses = torch.stack(losses)  # one blob, not one per batch
     return {"lrs": plain(rec.lrs), "iters": plain(rec.iters), "losses": losses,
             "values": plain(rec.values), "smooth_count": sm.count, "smooth_val": sm.val,
             "hps": plain(getattr(rec, "hps", None))}
@@ -124,7 +123,8 @@ def set_recorder_state(learn, st: dict) -> None:
     rec.lrs, rec.iters = list(st["lrs"]), list(st["iters"])
     if isinstance(losses, torch.Tensor) and losses.dim() == 1 and len(losses):
         rec.losses = []
-        if isinstance(getattr(type(rec), "losses", None), RecorderLosses): rec.__dict__.setdefault("_state", {})["frk_losses"] = losses
+        if isinstance(getattr(type(rec), "losses", None), RecorderLosses):
+            rec.__dict__.setdefault("_state", {})["frk_losses"] = losses  # rebuilt on first read
         else: rec.losses = _unbind(losses)  # a Recorder subclass that defines its own `losses`
     else: rec.losses = list(losses)
     rec.values = [L(v) for v in st["values"]]
