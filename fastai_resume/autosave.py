@@ -3,6 +3,10 @@ preemption (SIGTERM). One callback; run the same script again after a crash and 
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
+import os
 import re
 import signal
 import threading
@@ -13,8 +17,9 @@ from pathlib import Path
 import torch
 from fastai.callback.core import Callback
 
-from . import dist, io
+from . import checkpoint, dist, io, paths
 from .io import CheckpointError
+from .session import script, session_of
 
 __all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE", "snapshot"]
 
@@ -54,86 +59,158 @@ def snapshot(tree):
 
 class AutoCheckpoint(Callback):
     """Saves a resumable checkpoint every `every_iters` training batches, every `every_seconds`
-    and/or after every epoch, into `learn.path/learn.model_dir`, keeping the newest `keep`.
+    and/or after every epoch, into `learn.path/learn.model_dir`, keeping the newest `keep` of this run.
 
+    - Files: `{fname}-{run}-g{attempt}-s{stage}-f{fit}-e{epoch}-i{iter}.frk`. `run` identifies the run
+      (a hash of the model's structure, the loaders' shape, the world size and the first stage's call:
+      another model, another learning rate, another data size is another run); `attempt` counts the
+      starts of this run that did not resume (`resume=False`, an explicit `start_epoch`, no valid file);
+      names sort by (attempt, stage, fit, epoch, iteration), the order retention and autoresume use.
+      Files of other runs, and any file not named so, are never touched.
+    - `every_iters=N`: after every training batch whose `train_iter` (batches trained in this fit) is a
+      multiple of N, whatever the epoch-end saves do.
     - `background=True`: the state is copied at the batch boundary and written by a C thread with
-      the GIL released while training goes on; at most one save is in flight, and the fit's end
-      waits for it. A failed background save raises at the next batch boundary
-      (`on_error='warn'`: a loud warning instead).
-    - `resume=True`: the first fit of the process continues from the newest valid checkpoint of
-      this `fname` (incomplete or corrupt files are skipped with a warning); with none, training
-      starts from the beginning.
+      the GIL released while training goes on; at most one save is in flight (a save due while one is
+      still writing waits for it), and the fit's end waits for it. A failed save raises at the next
+      batch boundary (`on_error='warn'`: a loud warning instead, for background and synchronous saves).
+      A save that finds the disk full removes this run's older checkpoints (never the newest valid
+      one) and tries again once.
+    - `resume=True`: the first training call of the process (and the next one after an interrupted
+      fit) continues from the newest valid checkpoint of this run; a file proven corrupt is named in a
+      warning and renamed `*.corrupt`; an error that is not the file's fault (too many open files,
+      no memory) is raised, never taken for corruption. `fast_forward=True` allows resuming a stream
+      without state by reading and discarding the trained batches.
+    - One process per run and folder: a lock file (`.{fname}-{run}.lock`) is held while it trains; a
+      second launch of the same script on the same folder is refused with a message.
     - `preempt=True`: on SIGTERM the current batch finishes, a checkpoint is saved synchronously
       and the process exits with status `PREEMPTED_EXIT_CODE` (143).
     - Under torch.distributed (`distrib_ctx`): every rank runs the callback; rank 0 writes each
       checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
-      from and alone removes or renames files; a synchronous save returns on every rank once it is
-      committed; a time-based save, a SIGTERM seen by one rank and a failed save are agreed by
-      all (one all-reduce of 32 bytes per batch, over gloo) so that every rank saves, or raises,
-      at the same batch.
+      from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
+      failed save are agreed by all (one all-reduce of 32 bytes per batch, over gloo).
     """
-    order = 100  # after the Recorder and the trackers have updated, before ResumeCallback
+    order = 100  # after the Recorder and the trackers have updated, before ResumeSession
 
     def __init__(self, fname="auto", every_iters=None, every_seconds=None, every_epoch=True, keep=3,
-                 background=True, resume=True, preempt=True, on_error="raise"):
+                 background=True, resume=True, preempt=True, on_error="raise", fast_forward=False):
         if keep < 1: raise ValueError("AutoCheckpoint(keep=...) must keep at least one checkpoint")
         if on_error not in ("raise", "warn"): raise ValueError("on_error must be 'raise' or 'warn'")
-        if not re.fullmatch(r"[\w.-]+", fname): raise ValueError(f"fname {fname!r}: use letters, digits, '.', '_', '-'")
+        if not re.fullmatch(r"[\w.]+", fname) or len(fname) > 64:
+            raise ValueError(f"fname {fname!r}: use up to 64 letters, digits, '.', '_'")
         self.fname, self.every_iters, self.every_seconds, self.every_epoch = fname, every_iters, every_seconds, every_epoch
         self.keep, self.background, self.resume, self.preempt, self.on_error = keep, background, resume, preempt, on_error
+        self.fast_forward = fast_forward
         self._inflight = None  # (Writer, final path)
         self._failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
         self._resumed_once = False
+        self._lock = None  # the open lock file of this run
+        self._old_handler = None
+        self.run = None  # this run's identity (hex), set when its first stage begins
+        self.attempt = None
         self.saved = []  # paths committed by this process, oldest first
+
+    def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
+        d = dict(self.__dict__)
+        for k in ("_inflight", "_lock", "_old_handler", "_failure"): d[k] = None
+        return d
 
     # -- files ------------------------------------------------------------------------------
     @property
-    def folder(self) -> Path: return Path(self.learn.path) / self.learn.model_dir
+    def folder(self) -> Path: return paths.model_folder(self.learn)
 
-    def _name(self, fit_index, epoch, it) -> Path:
-        return self.folder / f"{self.fname}-f{fit_index:03d}-e{epoch:06d}-i{it:010d}{io.EXT}"
+    def _name(self, stage, fit_index, epoch, it) -> Path:
+        return self.folder / (f"{self.fname}-{self.run}-g{self.attempt:03d}-s{stage:03d}-f{fit_index:02d}"
+                              f"-e{epoch:06d}-i{it:010d}{io.EXT}")
+
+    def _pattern(self):
+        return re.compile(re.escape(f"{self.fname}-{self.run}-") + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}"
+                          + re.escape(io.EXT) + "$")
 
     def checkpoints(self):
-        "This callback's checkpoint files, oldest position first."
-        pat = re.compile(re.escape(self.fname) + r"-f\d{3}-e\d{6}-i\d{10}" + re.escape(io.EXT) + "$")
-        if not self.folder.is_dir(): return []
+        "This run's checkpoint files, oldest (attempt, stage, fit, epoch, iteration) first."
+        if self.run is None or not self.folder.is_dir(): return []
+        pat = self._pattern()
         return sorted(p for p in self.folder.iterdir() if pat.match(p.name))
 
     def latest_valid(self):
-        """The newest checkpoint that verifies. Each newer one that does not is named in a warning
-        and renamed to `*.corrupt`, so that retention never counts it as a good checkpoint."""
+        """The newest checkpoint of this run that verifies. Each newer one proven corrupt (bad magic,
+        structure or checksum) is named in a warning and renamed to `*.corrupt`, so that retention never
+        counts it; any other error (EMFILE, ENOMEM, EACCES ...) is raised: the file may be fine."""
         for p in reversed(self.checkpoints()):
             try:
                 io.info(p, verify=True)
                 return p
-            except (CheckpointError, OSError) as e:
+            except CheckpointError as e:
                 warnings.warn(f"AutoCheckpoint: skipping {p}: {e}")
                 try: p.rename(p.with_name(p.name + ".corrupt"))
                 except OSError: pass
+            except FileNotFoundError:
+                continue
         return None
 
-    def _remove_stale_temps(self):
-        "Temporary files of saves that were killed midway are never valid: remove them."
-        if not self.folder.is_dir(): return
-        for p in self.folder.glob(f".{self.fname}-f*{io.EXT}.tmp.*"):
-            try: p.unlink()
-            except OSError: pass
+    def _run_identity(self, stage) -> str:
+        learn, sc = self.learn, script(self.learn)
+        first = sc.signatures[0] if sc.signatures else stage.signature
+        from fastai.torch_core import get_model
+        sd = get_model(learn.model).state_dict()
+        from .loaders import batch_size
+        parts = [f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sd.items() if hasattr(v, "shape")]
+        parts += [f"world {dist.world()}", f"train {len(dist.unwrap_dl(learn.dls.train))}x{batch_size(learn.dls.train)}",
+                  f"first {first['method']} {sorted(first['args'].items())} {first['trainable']}"]
+        return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:10]
 
-    def arm_resume(self):
-        "Called by `fit` before it starts: loads the newest valid checkpoint once per process."
-        if not self.resume or self._resumed_once: return
-        self._resumed_once = True
+    def _take_lock(self):
+        if self._lock is not None: return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f".{self.fname}-{self.run}.lock"
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise RuntimeError(f"AutoCheckpoint: {holder} is already training this run into {self.folder} (lock "
+                               f"{path.name}); two processes writing one run's checkpoints would delete each "
+                               "other's files. Stop the other one, or give this one another fname or path.") from None
+        f.truncate(0)
+        f.write(f"process {os.getpid()}")
+        f.flush()
+        self._lock = f
+
+    def _release_lock(self):
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def _remove_dead_temps(self):
+        "Temporary files of this run's saves whose process is gone (killed mid-save): never valid."
+        pat = self._pattern()
+        checkpoint.remove_dead_temps(self.folder, lambda name: bool(pat.match(name)))
+
+    def arm_resume(self, stage):
+        """Called when a training call (a stage) begins: identifies the run, takes its lock, and the first
+        time (or after an interrupted fit) loads the newest valid checkpoint of this run."""
+        if self.run is None: self.run = self._run_identity(stage)
         p = None
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
-            self._remove_stale_temps()
-            p = self.latest_valid()
-            if p is not None: self._retain()  # a run killed between a commit and its retention
+            self._take_lock()
+            self._remove_dead_temps()
+            if (self.resume and stage.resume and not stage.explicit and not self._resumed_once
+                    and script(self.learn).armed is None):
+                p = self.latest_valid()
+                if p is not None: self._retain()  # a run killed between a commit and its retention
+            files = self.checkpoints()
+            if self.attempt is None:
+                last = int(self._pattern().match(files[-1].name)[1]) if files else -1
+                self.attempt = int(self._pattern().match(p.name)[1]) if p is not None else last + 1
         if dist.active():
-            p = dist.broadcast(None if p is None else str(p))
+            p, self.attempt = dist.broadcast((None if p is None else str(p), self.attempt))
             p = None if p is None else Path(p)
+        self._resumed_once = True
         if p is None: return
         err = None
-        try: self.learn.load(p)
+        try: self.learn.load(p, fast_forward=self.fast_forward)
         except Exception as e: err = e
         if dist.active() and dist.agree_any(1 if err is not None else 0):  # one rank failing stops all
             if err is not None: raise err
@@ -143,7 +220,7 @@ class AutoCheckpoint(Callback):
 
     # -- events -----------------------------------------------------------------------------
     def before_fit(self):
-        self.last_time, self.last_iter = time.monotonic(), None
+        self.last_time = time.monotonic()
         self._preempted = False
         self._old_handler = None
         if self.preempt and threading.current_thread() is threading.main_thread():
@@ -155,7 +232,7 @@ class AutoCheckpoint(Callback):
         if self.training: self._check_inflight(block=False)
 
     def after_batch(self):
-        if not self.training: return
+        if not self.training or session_of(self.learn) is None: return
         flags = 1 if self._preempted else 0
         if self.every_seconds and dist.rank() == 0 and time.monotonic() - self.last_time >= self.every_seconds:
             flags |= 2  # rank 0's clock decides for every rank
@@ -169,9 +246,8 @@ class AutoCheckpoint(Callback):
             print(f"AutoCheckpoint: SIGTERM: saved {path.name}, exiting with status {PREEMPTED_EXIT_CODE}", flush=True)
             self._restore_handler()
             raise SystemExit(PREEMPTED_EXIT_CODE)
-        it = self.learn.train_iter
-        if self.last_iter is None: self.last_iter = it - 1
-        if (self.every_iters and it - self.last_iter >= self.every_iters) or flags & 2: self._save()
+        due = self.every_iters and self.learn.train_iter % self.every_iters == 0
+        if due or flags & 2 or getattr(self, "_retry", False): self._save()
 
     def after_epoch(self):
         if self.every_epoch: self._save()
@@ -180,6 +256,15 @@ class AutoCheckpoint(Callback):
         self._check_inflight(block=True)
         self._restore_handler()
         if dist.active() and dist.agree_any(4 if self._failure is not None else 0): self._raise_failure()
+
+    def after_interrupted_fit(self):
+        """The fit ended in an exception or an interrupt (fastai runs no `after_fit` then): finish the save
+        in flight, put the SIGTERM handler back, and let the next training call resume from the newest
+        checkpoint, as a rerun of the script after a crash would."""
+        try: self._check_inflight(block=True)
+        except Exception as e: warnings.warn(f"AutoCheckpoint: {e}")
+        self._restore_handler()
+        self._resumed_once = False
 
     def _fail(self, msg, exc):
         "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn."
@@ -200,24 +285,43 @@ class AutoCheckpoint(Callback):
             self._old_handler = None
 
     # -- saving -----------------------------------------------------------------------------
+    def _free_space(self) -> int:
+        "After ENOSPC: remove this run's checkpoints but the newest valid one. Returns how many."
+        newest = self.latest_valid() if dist.rank() == 0 else None
+        n = 0
+        for old in self.checkpoints():
+            if old == newest: continue
+            try:
+                old.unlink()
+                n += 1
+            except OSError: pass
+        return n
+
     def _save(self, background=None):
         background = self.background if background is None else background
         learn = self.learn
-        ctl = getattr(learn, "_frk_ctl", None)
-        self.last_time, self.last_iter = time.monotonic(), learn.train_iter
-        pos = ctl.position() if ctl is not None else None
-        if pos is None: return None
-        path = self._name(ctl.fit_index, *pos)
+        s = session_of(learn)
+        self.last_time = time.monotonic()
+        self._retry = False
+        pos = s.position() if s is not None else None
+        if pos is None or self.run is None: return None
+        path = self._name(s.stage.index, s.fit_index, *pos)
         done = path.exists() or (self._inflight is not None and self._inflight[1] == path)
         if dist.active(): done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
         if done: return path  # already saved here
         self._check_inflight(block=True)  # at most one save in flight
-        from .learner import checkpoint_tree, commit
         if not background:  # under DDP: every rank waits until rank 0 has committed
-            commit(lambda: checkpoint_tree(learn, with_opt=True, with_iter=True), path)
+            for attempt in (0, 1):
+                try:
+                    checkpoint.commit(lambda: checkpoint.build_tree(learn, with_opt=True, with_iter=True), path)
+                    break
+                except OSError as e:
+                    if attempt == 0 and e.errno == errno.ENOSPC and dist.rank() == 0 and self._free_space(): continue
+                    self._fail(f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e)
+                    return None
             if dist.rank() == 0: self._committed(path)
             return path
-        tree = checkpoint_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
+        tree = checkpoint.build_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
         if tree is None: return path  # not rank 0: nothing to write
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,13 +343,19 @@ class AutoCheckpoint(Callback):
         try:
             w.wait()
         except OSError as e:
+            if e.errno == errno.ENOSPC and not getattr(self, "_retried", False) and self._free_space():
+                self._retried = self._retry = True  # the next training batch saves again, once
+                warnings.warn(f"AutoCheckpoint: the disk was full saving {path}; older checkpoints of this run "
+                              "were removed and the next batch saves again")
+                return
             self._fail(f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are "
                        "intact.", e)
             return
+        self._retried = False
         self._committed(path)
 
     def _committed(self, path):
-        "Retention, only ever after a commit (and at autoresume): the newest `keep` stay."
+        "Retention, only ever after a commit (and at autoresume): the newest `keep` of this run stay."
         self.saved.append(path)
         self._retain()
 

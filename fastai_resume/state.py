@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dist import unwrap_dl
+from .io import CheckpointError
 
-__all__ = ["plain", "rng_state", "set_rng_state", "dl_states", "set_dl_states", "recorder_state",
-           "set_recorder_state", "install_lazy_losses", "RecorderLosses", "callback_states",
-           "set_callback_states", "cb_key"]
+
+__all__ = ["plain", "rng_state", "set_rng_state", "recorder_state", "set_recorder_state",
+           "install_lazy_losses", "RecorderLosses", "callback_states", "set_callback_states", "cb_key"]
 
 
 def plain(v: Any) -> Any:
@@ -51,18 +51,6 @@ def set_rng_state(st: dict) -> None:
     torch.set_rng_state(st["torch"].clone())
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([t.clone() for t in st["cuda"]])
-
-
-def dl_states(dls) -> list:
-    """The shuffling RNG of each DataLoader in `dls` (`None` where a loader has none); for fastai's
-    `DistributedDL`, that of the loader it wraps (which draws the epoch's permutation)."""
-    loaders = [unwrap_dl(dl) for dl in dls.loaders]
-    return [_py_rng(dl.rng.getstate()) if hasattr(dl, "rng") else None for dl in loaders]
-
-
-def set_dl_states(dls, states: list) -> None:
-    for dl, s in zip([unwrap_dl(dl) for dl in dls.loaders], states):
-        if s is not None and hasattr(dl, "rng"): dl.rng.setstate((s[0], tuple(s[1]), s[2]))
 
 
 def _unbind(t: torch.Tensor) -> list:
@@ -113,7 +101,24 @@ def recorder_state(rec) -> dict:
             losses = torch.stack(losses)  # one blob, not one per batch
     return {"lrs": plain(rec.lrs), "iters": plain(rec.iters), "losses": losses,
             "values": plain(rec.values), "smooth_count": sm.count, "smooth_val": sm.val,
-            "hps": plain(getattr(rec, "hps", None))}
+            "train_metrics": [_metric_state(m) for m in _train_metrics(rec)]}
+
+
+_METRIC_FIELDS = ("total", "count", "val", "targs", "preds")
+
+
+def _train_metrics(rec) -> list:
+    "The accumulators `Recorder` feeds during training beyond the smooth loss (`train_metrics=True`)."
+    return list(rec.metrics) if getattr(rec, "train_metrics", False) else []
+
+
+def _metric_state(m) -> dict:
+    "A metric's running accumulators (fastai's AvgMetric/AvgLoss/AccumMetric keep these)."
+    def snap(v):
+        if isinstance(v, torch.Tensor): return v.detach().clone()
+        if isinstance(v, list): return [snap(x) for x in v]
+        return v
+    return {k: snap(m.__dict__[k]) for k in _METRIC_FIELDS if k in m.__dict__}
 
 
 def set_recorder_state(learn, st: dict) -> None:
@@ -129,6 +134,9 @@ def set_recorder_state(learn, st: dict) -> None:
     else: rec.losses = list(losses)
     rec.values = [L(v) for v in st["values"]]
     rec.smooth_loss.count, rec.smooth_loss.val = st["smooth_count"], st["smooth_val"]
+    for m, ms in zip(_train_metrics(rec), st.get("train_metrics", [])):
+        for k, v in ms.items():
+            if k in _METRIC_FIELDS: m.__dict__[k] = list(v) if isinstance(v, (list, tuple)) else v
     if rec.smooth_loss.count: learn.smooth_loss = rec.smooth_loss.value
     if rec.values: learn.final_record = rec.values[-1].copy()
 
@@ -139,32 +147,79 @@ def cb_key(cbs, cb) -> str:
     return cb.name if len(same) == 1 else f"{cb.name}_{same.index(cb)}"
 
 
+def _mod(name):
+    "A fastai module if the user's code has imported it (a callback of it can exist only then)."
+    import sys
+    return sys.modules.get(name)
+
+
+# The fields of fastai's callbacks that change what the rest of a fit computes, with their types.
+# Only these are ever set from a file: never a path, a name or anything that decides what is loaded.
+_TRACKER_FIELDS = {"best": (float, int), "wait": (int,), "new_best": (bool,)}
+
+
 def _builtin_state(cb) -> Any:
-    from fastai.callback.fp16 import MixedPrecision
-    from fastai.callback.schedule import ParamScheduler
-    from fastai.callback.tracker import TrackerCallback
-    from fastai.callback.training import GradientAccumulation
-    if isinstance(cb, TrackerCallback):
-        return {k: plain(getattr(cb, k)) for k in ("best", "wait", "new_best") if hasattr(cb, k)}
-    if isinstance(cb, GradientAccumulation): return {"count": getattr(cb, "count", 0)}
-    if isinstance(cb, MixedPrecision) and hasattr(cb.learn, "scaler"):
+    tracker, training, fp16, sched, progress = (_mod("fastai.callback.tracker"), _mod("fastai.callback.training"),
+                                                 _mod("fastai.callback.fp16"), _mod("fastai.callback.schedule"),
+                                                 _mod("fastai.callback.progress"))
+    if tracker and isinstance(cb, tracker.TrackerCallback):
+        return {k: plain(getattr(cb, k)) for k in _TRACKER_FIELDS if hasattr(cb, k)}
+    if training and isinstance(cb, training.GradientAccumulation): return {"count": getattr(cb, "count", 0)}
+    if fp16 and isinstance(cb, fp16.MixedPrecision) and hasattr(cb.learn, "scaler"):
         return {"scaler": plain(cb.learn.scaler.state_dict()), "scales": plain(getattr(cb, "scales", []))}
-    if isinstance(cb, ParamScheduler) and hasattr(cb, "hps"): return {"hps": plain(cb.hps)}
+    if sched and isinstance(cb, sched.ParamScheduler) and hasattr(cb, "hps"): return {"hps": plain(cb.hps)}
+    if progress and isinstance(cb, progress.CSVLogger) and getattr(cb, "file", None) is not None:
+        cb.file.flush()
+        return {"csv_size": cb.file.tell(), "csv_tail": _csv_tail(cb)}
     return None
 
 
+def _csv_tail(cb) -> bytes:
+    "What the CSVLogger wrote in this fit (its header and rows), read back from its file."
+    with open(cb.path / cb.fname, "rb") as f:
+        f.seek(cb.resume_file_start)
+        return f.read()
+
+
+def _typed(cb, st: dict, fields: dict) -> None:
+    for k, types in fields.items():
+        if k not in st: continue
+        v = st[k]
+        if not isinstance(v, types) or (bool in types) != isinstance(v, bool):
+            raise CheckpointError(f"callback state {type(cb).__name__}.{k}: {type(v).__name__} in the file, "
+                                  f"expected {'/'.join(t.__name__ for t in types)}")
+        setattr(cb, k, v)
+
+
 def _set_builtin_state(cb, st) -> None:
-    from fastai.callback.fp16 import MixedPrecision
-    from fastai.callback.schedule import ParamScheduler
-    from fastai.callback.training import GradientAccumulation
+    tracker, training, fp16, sched, progress = (_mod("fastai.callback.tracker"), _mod("fastai.callback.training"),
+                                                 _mod("fastai.callback.fp16"), _mod("fastai.callback.schedule"),
+                                                 _mod("fastai.callback.progress"))
     from fastcore.foundation import L
-    if isinstance(cb, MixedPrecision):
+    if fp16 and isinstance(cb, fp16.MixedPrecision):
         cb.learn.scaler.load_state_dict(st["scaler"])
         cb.scales = L(st["scales"])
-    elif isinstance(cb, ParamScheduler): cb.hps = {k: list(v) for k, v in st["hps"].items()}
-    elif isinstance(cb, GradientAccumulation): cb.count = st["count"]
-    else:
-        for k, v in st.items(): setattr(cb, k, v)
+    elif sched and isinstance(cb, sched.ParamScheduler): cb.hps = {k: list(v) for k, v in st["hps"].items()}
+    elif training and isinstance(cb, training.GradientAccumulation): _typed(cb, st, {"count": (int,)})
+    elif tracker and isinstance(cb, tracker.TrackerCallback): _typed(cb, st, _TRACKER_FIELDS)
+    elif progress and isinstance(cb, progress.CSVLogger): _continue_csv(cb, st)
+
+
+def _continue_csv(cb, st) -> None:
+    """Make the CSVLogger's file what it was at the save: the bytes before this fit as they are on disk
+    (other fits' rows, with `append=True`), then this fit's header and rows from the checkpoint. The
+    finished epochs' rows are therefore never written twice."""
+    size, tail = st["csv_size"], st["csv_tail"]
+    if not isinstance(size, int) or not isinstance(tail, bytes) or size < len(tail):
+        raise CheckpointError("callback state CSVLogger: csv_size/csv_tail malformed")
+    cb.file.flush()
+    path = cb.path / cb.fname
+    keep = min(size - len(tail), cb.resume_file_start)
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+        f.seek(keep)
+        f.write(tail)
+    cb.file.seek(0, 2)
 
 
 def callback_states(learn) -> dict:
@@ -181,5 +236,7 @@ def set_callback_states(learn, states: dict) -> None:
     for cb in learn.cbs:
         st = states.get(cb_key(learn.cbs, cb))
         if st is None: continue
+        if not isinstance(st, dict) and not hasattr(cb, "load_resume_state"):
+            raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)}: {type(st).__name__}, expected a dict")
         if hasattr(cb, "load_resume_state"): cb.load_resume_state(st)
         else: _set_builtin_state(cb, st)

@@ -46,7 +46,7 @@ def test_vanilla_fastai_pth_still_loads_exactly_as_fastai_loads_it(tmp_path):
     fresh = build(tmp_path)
     fresh.load("plain")
     assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
-    assert fresh._frk_pending is None
+    assert fr.session.script(fresh).armed is None
 
 
 def test_format_is_detected_by_magic_not_by_name(tmp_path):
@@ -83,7 +83,7 @@ def test_save_outside_fit_carries_no_position(tmp_path):
     assert fr.load(tmp_path / "models" / "m.frk")["train"] is None
     fresh = build(tmp_path)
     fresh.load("m")
-    assert fresh._frk_pending is None
+    assert fr.session.script(fresh).armed is None
     with fresh.no_bar(), fresh.no_logging(): fresh.fit(1, 1e-3)
     assert len(fresh.recorder.losses) == len(fresh.dls.train)  # nothing skipped
 
@@ -115,17 +115,31 @@ def test_a_mismatched_optimizer_leaves_the_learners_weights_untouched(tmp_path):
     assert not tensors_equal(before, learn.model.state_dict())  # the file's weights would differ
 
 
-def test_import_patches_idempotently_and_keeps_signatures():
-    import importlib
-    import inspect
-    from fastai.learner import Learner
-    before = Learner.fit
-    importlib.reload(sys.modules["fastai_resume"])
-    assert Learner.fit is before
-    params = inspect.signature(Learner.fit).parameters
-    assert list(params)[:7] == ["self", "n_epoch", "lr", "wd", "cbs", "reset_opt", "start_epoch"]
-    assert "start_iter" in params and "resume" in params
-    assert "start_iter" in inspect.signature(Learner.fit_one_cycle).parameters
+_PATCH_TWICE = """
+import importlib, inspect, sys
+import fastai_resume, fastai_resume.patches as P
+from fastai.learner import Learner
+assert "fastai.callback.schedule" not in sys.modules and "fastai.callback.progress" not in sys.modules
+orig = Learner._orig_fit
+importlib.reload(P)  # the patches applied a second time
+import fastai.callback.schedule  # defines the fit wrappers: patched now
+importlib.reload(P)
+assert Learner._orig_fit is orig and orig.__module__ == "fastai.learner"
+assert Learner._orig_fit_one_cycle.__module__ == "fastai.callback.schedule"
+for name in ("fit", "fit_one_cycle", "fit_flat_cos", "fit_sgdr", "fine_tune"):
+    ps = list(inspect.signature(getattr(Learner, name)).parameters)
+    assert ps.count("start_iter") == 1 and ps.count("resume") == 1, (name, ps)
+assert list(inspect.signature(Learner.fit).parameters)[:7] == ["self", "n_epoch", "lr", "wd", "cbs", "reset_opt", "start_epoch"]
+print("ok")
+"""
+
+
+def test_import_patches_idempotently_lazily_and_keeps_signatures():
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _PATCH_TWICE], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=root, PYTHONWARNINGS="ignore"))
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
 
 
 def test_the_package_builds_as_a_wheel_with_extension_stub_and_marker(tmp_path):
@@ -160,8 +174,8 @@ def test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list(tmp_path):
 
     class Probe(Callback):
         order = 1000
-        def before_batch(self):
-            if not self.training or seen: return
+        def before_train(self):
+            if seen: return
             rec = self.learn.recorder
             seen["pending_at_first_batch"] = rec.__dict__["losses"] == []  # nothing built yet
             seen["pickled"] = set(rec.__getstate__())  # what pickle (learn.export) would store

@@ -15,7 +15,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fastai_resume  # noqa: E402  (patches fastai)
+import fastai_resume.loaders  # noqa: E402
+import fastai_resume.session  # noqa: E402
 from fastai.callback.core import Callback  # noqa: E402
+import fastai.callback.schedule  # noqa: E402,F401  (fit_one_cycle and friends, as fastai.vision.all imports them)
 from fastai.callback.training import GradientAccumulation  # noqa: E402
 from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback  # noqa: E402
 from fastai.data.core import DataLoaders  # noqa: E402
@@ -155,9 +158,9 @@ def main(argv=None):
     if a.resume:
         learn.load(a.resume)
         if a.break_data_order:
-            train = learn._frk_pending[0]
-            train["dl_epoch"] = fastai_resume.state.dl_states(learn.dls)
-        if a.shared_rng: learn._frk_pending[0]["ranks"] = None
+            train = fastai_resume.session.script(learn).armed.train
+            train["loaders_epoch"] = [fastai_resume.loaders.capture(dl) for dl in learn.dls.loaders]
+        if a.shared_rng: fastai_resume.session.script(learn).armed.train["ranks"] = None
     import contextlib
     with learn.no_bar(), (learn.distrib_ctx(cpu=True) if a.ddp else contextlib.nullcontext()):
         if a.method == "fit_one_cycle": learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs, start_epoch=a.start_epoch)

@@ -1,0 +1,218 @@
+"""A DataLoader's iteration state as a plain tree, and the skip of a resumed epoch's first k batches.
+
+This is the one place that knows how each kind of loader decides what it yields:
+
+- fastai's `DataLoader` and its subclasses: the shuffling RNG (`dl.rng`) and, for loaders that keep
+  their order in their items (`LMDataLoader`'s `ReindexCollection`, shuffled in place every epoch),
+  that order. The skip cuts the epoch's index list, so the skipped batches are never loaded.
+- PyTorch's `DataLoader`: the order comes from its sampler, drawn from the global torch RNG or the
+  loader's / sampler's `generator` (saved). The skip drops the first k index lists of the batch
+  sampler (indices only, no data loaded).
+- Streams (`DataLoader(indexed=False)`, an `IterableDataset`): exact when the loader or its dataset
+  implements the PyTorch ecosystem's `state_dict()` / `load_state_dict()` protocol (torchdata's
+  `StatefulDataLoader`, resumable datasets): the state at the save point is loaded and the stream
+  continues from there, nothing re-read. A stream without that protocol cannot be resumed mid-epoch
+  exactly: `restore_position` refuses with what to do, unless the user opted in to a fast-forward,
+  which reads and discards the skipped batches.
+
+With worker processes, a fastai `DataLoader` of a resumable fit seeds the workers' RNGs at every
+batch from the epoch's worker seed and the batch's index (`BatchSeeder`), so the random item
+transforms of batch j do not depend on which worker made it or on how many batches were skipped.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from .dist import is_distributed_dl, unwrap_dl
+
+__all__ = ["capture", "restore", "batch_size", "is_stream", "has_state", "skip_first", "BatchSeeder",
+           "StreamNotResumable"]
+
+
+class StreamNotResumable(ValueError):
+    "A stream without `state_dict`/`load_state_dict` asked to resume mid-epoch."
+
+
+def _fastai_dl_class():
+    mod = sys.modules.get("fastai.data.load")
+    return None if mod is None else mod.DataLoader
+
+
+def is_fastai(dl) -> bool:
+    cls = _fastai_dl_class()
+    return cls is not None and isinstance(dl, cls)
+
+
+def is_torch(dl) -> bool:
+    return isinstance(dl, torch.utils.data.DataLoader)
+
+
+def batch_size(dl) -> int | None:
+    dl = unwrap_dl(dl)
+    return getattr(dl, "bs", None) if is_fastai(dl) else getattr(dl, "batch_size", None)
+
+
+def is_stream(dl) -> bool:
+    "Does `dl` read an iterator (no index list to cut)?"
+    dl = unwrap_dl(dl)
+    if is_fastai(dl): return not dl.indexed
+    return isinstance(getattr(dl, "dataset", None), torch.utils.data.IterableDataset)
+
+
+def _stateful(obj) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _state_owner(dl):
+    "The object whose `state_dict()` describes where `dl` is: the loader itself, or its dataset."
+    if _stateful(dl) and not is_fastai(dl): return dl
+    ds = getattr(dl, "dataset", None)
+    return ds if _stateful(ds) else None
+
+
+def has_state(dl) -> bool:
+    return _state_owner(unwrap_dl(dl)) is not None
+
+
+def _py_rng(s) -> Any: return (s[0], tuple(s[1]), s[2])
+
+
+def _order(dl):
+    "The in-place order of a loader's items (LMDataLoader's ReindexCollection), if it keeps one."
+    items = getattr(dl, "items", None)
+    idxs = getattr(items, "idxs", None)
+    return list(idxs) if isinstance(idxs, list) else None
+
+
+def _generators(dl) -> list:
+    "The torch generators that decide a PyTorch loader's order (its own, its samplers')."
+    out = []
+    for owner in (dl, getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not o for o in out): out.append(g)
+    return out
+
+
+def capture(dl) -> dict:
+    "Everything that decides what `dl` yields next, as a plain tree."
+    dl = unwrap_dl(dl)
+    st: dict = {"kind": "fastai" if is_fastai(dl) else "torch" if is_torch(dl) else "other"}
+    if is_fastai(dl):
+        st["rng"] = _py_rng(dl.rng.getstate())
+        order = _order(dl)
+        if order is not None: st["order"] = order
+    elif is_torch(dl):
+        st["generators"] = [g.get_state() for g in _generators(dl)]
+    owner = _state_owner(dl)
+    if owner is not None and is_stream(dl): st["state"] = owner.state_dict()
+    return st
+
+
+def restore(dl, st: dict, with_stream_state: bool = True) -> None:
+    "Put `dl` back where `capture` saw it."
+    dl = unwrap_dl(dl)
+    if "rng" in st and hasattr(dl, "rng"):
+        s = st["rng"]
+        dl.rng.setstate((s[0], tuple(s[1]), s[2]))
+    if "order" in st and _order(dl) is not None:
+        dl.items.idxs[:] = st["order"]
+        if hasattr(dl, "make_chunks"): dl.make_chunks()
+    if "generators" in st:
+        for g, s in zip(_generators(dl), st["generators"]): g.set_state(s.clone())
+    if with_stream_state and "state" in st:
+        owner = _state_owner(dl)
+        if owner is not None: owner.load_state_dict(st["state"])
+
+
+class _SkippedIdxs(list):
+    "The index list of a resumed epoch minus the batches already trained; calls a hook when first iterated."
+    def __init__(self, items, on_first_iter):
+        super().__init__(items)
+        self._hook = on_first_iter
+
+    def __iter__(self):
+        if self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        return super().__iter__()
+
+    def __reduce__(self): return (list, (list(self),))  # workers get a plain list
+
+
+class _SkipBatchSampler:
+    "A PyTorch batch sampler whose next iteration drops its first k index lists (indices only)."
+    def __init__(self, inner, k, on_skipped, put_back):
+        self.inner, self.k, self.on_skipped, self.put_back = inner, k, on_skipped, put_back
+
+    def __len__(self): return len(self.inner)
+
+    def __iter__(self):
+        self.put_back()
+        it = iter(self.inner)
+        for _ in range(self.k):
+            if next(it, None) is None: break
+        self.on_skipped()
+        return it
+
+
+def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = "") -> str:
+    """Make the next epoch of `dl` start at batch `k`, calling `on_skipped()` once the skipped part is
+    behind (when the first kept item is about to be made). Returns how the skip is done. A fastai
+    `DistributedDL` is cut itself (its index list is this rank's shard), not the loader it wraps."""
+    if is_stream(dl):
+        if has_state(dl):
+            on_skipped()
+            return "stream state"
+        if not fast_forward:
+            raise StreamNotResumable(
+                f"cannot resume {where}mid-epoch exactly: the training DataLoader reads a stream "
+                f"({type(getattr(dl, 'dataset', dl)).__name__}) that has no state_dict()/load_state_dict(), so "
+                f"where it was after {k} batches is unknown. Options: give the dataset (or use a loader with) "
+                "state_dict()/load_state_dict() (torchdata's StatefulDataLoader, or your own two methods), and "
+                "the resume is exact without re-reading; or load with fast_forward=True (learn.load(..., "
+                "fast_forward=True) / AutoCheckpoint(fast_forward=True)) to read and discard the skipped "
+                "batches; or fit with start_iter=0 to restart the epoch.")
+        return "fast-forward"
+    if is_fastai(dl):
+        get_idxs = dl.get_idxs
+        bs = dl.bs or 1
+
+        def skipped_idxs():
+            del dl.get_idxs  # one epoch only: back to the class's method
+            if is_distributed_dl(dl): dl.i = k * bs  # its count of this rank's items
+            return _SkippedIdxs(get_idxs()[k * bs:], on_skipped)
+        dl.get_idxs = skipped_idxs
+        return "index list"
+    if is_torch(dl):
+        if dl.batch_sampler is None:
+            raise ValueError(f"cannot resume {where}mid-epoch: this PyTorch DataLoader has no batch sampler "
+                             "(batch_size=None); fit with start_iter=0 to restart the epoch")
+        inner = dl.batch_sampler
+
+        def put_back(): object.__setattr__(dl, "batch_sampler", inner)
+        object.__setattr__(dl, "batch_sampler", _SkipBatchSampler(inner, k, on_skipped, put_back))
+        return "batch sampler"
+    raise ValueError(f"cannot resume {where}mid-epoch: {type(dl).__name__} is neither a fastai nor a PyTorch "
+                     "DataLoader; fit with start_iter=0 to restart the epoch")
+
+
+class BatchSeeder:
+    """`do_item` of a fastai DataLoader in worker processes: before the first item of each batch, seed
+    Python's, NumPy's and torch's RNG from the epoch's worker seed and the batch's index in the epoch,
+    so what a random item transform draws for batch j does not depend on the worker or on a skip."""
+    def __init__(self, do_item, bs: int, first: int):
+        self.do_item, self.bs, self.first, self.n = do_item, bs, first, 0
+
+    def __call__(self, s):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and self.n % self.bs == 0:
+            d = info.dataset.d  # fastai's _FakeLoader: its DataLoader knows its worker offset
+            j = self.first + d.offs + (self.n // self.bs) * d.num_workers
+            base = info.seed - info.id
+            from fastai.torch_core import set_seed
+            set_seed((base * 0x9E3779B1 + j * 0x85EBCA77 + 0x165667B1) % (1 << 32))
+        self.n += 1
+        return self.do_item(s)
