@@ -195,6 +195,10 @@ def _rank_part(v, where):
     for k in ("loaders_now", "loaders_epoch"):
         for i, ld in enumerate(_seq(v[k], f"{where}.{k}")): _loader(ld, f"{where}.{k}[{i}]")
     _recorder(v.get("recorder"), f"{where}.recorder")
+    for name, m in _dict(v.get("modules", {}), f"{where}.modules").items():
+        m = _dict(m, f"{where}.modules[{name!r}]", ("hidden", "bs"))
+        _int(m["bs"], f"{where}.modules[{name!r}].bs")
+        _seq(m["hidden"], f"{where}.modules[{name!r}].hidden")
 
 
 _POSITION_INTS = ("epoch", "iter", "n_epoch", "n_iter", "fit_index", "stage", "train_iter", "world_size", "n_iter_all")

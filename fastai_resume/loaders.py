@@ -80,11 +80,17 @@ def has_state(dl) -> bool:
 def _py_rng(s) -> Any: return (s[0], tuple(s[1]), s[2])
 
 
+def _order_list(dl):
+    """The list a loader shuffles its items' order in, in place (`LMDataLoader`'s `ReindexCollection`:
+    fastcore's `L` or a list, shared with its lengths), or None."""
+    idxs = getattr(getattr(dl, "items", None), "idxs", None)
+    idxs = getattr(idxs, "items", idxs)  # fastcore's L keeps a list
+    return idxs if isinstance(idxs, list) else None
+
+
 def _order(dl):
-    "The in-place order of a loader's items (LMDataLoader's ReindexCollection), if it keeps one."
-    items = getattr(dl, "items", None)
-    idxs = getattr(items, "idxs", None)
-    return list(idxs) if isinstance(idxs, list) else None
+    order = _order_list(dl)
+    return None if order is None else [int(i) for i in order]
 
 
 def _generators(dl) -> list:
@@ -117,8 +123,8 @@ def restore(dl, st: dict, with_stream_state: bool = True) -> None:
     if "rng" in st and hasattr(dl, "rng"):
         s = st["rng"]
         dl.rng.setstate((s[0], tuple(s[1]), s[2]))
-    if "order" in st and _order(dl) is not None:
-        dl.items.idxs[:] = st["order"]
+    if "order" in st and _order_list(dl) is not None:
+        _order_list(dl)[:] = st["order"]
         if hasattr(dl, "make_chunks"): dl.make_chunks()
     if "generators" in st:
         for g, s in zip(_generators(dl), st["generators"]): g.set_state(s.clone())
@@ -149,13 +155,13 @@ class _SkipBatchSampler:
 
     def __len__(self): return len(self.inner)
 
-    def __iter__(self):
+    def __iter__(self):  # a generator: like the samplers it wraps, it draws nothing before the first batch
         self.put_back()
         it = iter(self.inner)
         for _ in range(self.k):
             if next(it, None) is None: break
         self.on_skipped()
-        return it
+        yield from it
 
 
 def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = "") -> str:

@@ -17,10 +17,7 @@ source-hash test.
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import inspect
-import sys
 
 from fastai.callback.core import CancelEpochException, event
 from fastai.learner import Learner, load_model, save_model
@@ -30,6 +27,7 @@ from fastcore.foundation import L
 from fastcore.meta import delegates
 
 from . import _core, checkpoint, dist, io, loaders, paths, state
+from ._hooks import after_import
 from .io import CheckpointError
 from .session import Armed, ResumeSession, script, session_of, stage_call
 
@@ -277,36 +275,10 @@ def _patch_schedule() -> None:
     for name in _WRAPPERS: _wrap_fit_method(name)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    "Runs `then()` once the module `name` has been executed (a post-import hook)."
-    def __init__(self, name, then): self.name, self.then = name, then
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name: return None
-        for finder in sys.meta_path:
-            if type(finder).__name__ == "_AfterImport" or not hasattr(finder, "find_spec"): continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None: break
-        else: return None
-        sys.meta_path.remove(self)
-        inner, then = spec.loader, self.then
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec): return inner.create_module(spec)
-
-            def exec_module(self, module):
-                inner.exec_module(module)
-                then()
-        spec.loader = Loader()
-        return spec
-
-
 def apply() -> None:
     "Once per process: the lazy Recorder losses, and the fit wrappers as soon as fastai defines them."
     state.install_lazy_losses()
-    if "fastai.callback.schedule" in sys.modules: _patch_schedule()
-    elif not any(type(f).__name__ == "_AfterImport" for f in sys.meta_path):  # (also across a reload)
-        sys.meta_path.insert(0, _AfterImport("fastai.callback.schedule", _patch_schedule))
+    after_import("fastai.callback.schedule", _patch_schedule)
 
 
 apply()

@@ -339,6 +339,7 @@ class ResumeSession(Callback):
             learn.train_iter = self.epoch * n_iter + k
             learn.pct_train = (self.epoch * n_iter + k) / (n_iter * n_epoch)
         how = ""
+        if sv is not None and k and sv.get("modules"): state.set_module_states(learn.model, sv["modules"])
         if k:
             if sv is not None and loaders.is_stream(self.dls.train) and loaders.has_state(self.dls.train):
                 loaders.restore(self.dls.train, sv["loaders_now"][0])  # the stream continues from where it was
@@ -425,6 +426,7 @@ class ResumeSession(Callback):
             "loaders_now": self.loaders_valid if validating else now_loaders,
             "loaders_epoch": self.loaders_epoch if self.loaders_epoch is not None and not boundary else now_loaders,
             "recorder": state.recorder_state(rec) if rec is not None else None,
+            "modules": state.module_states(learn.model),
         }
         ranks = dist.gather(mine) if dist.active() else None  # collective: on every rank
         if dist.rank() != 0: return None  # rank 0 writes

@@ -17,7 +17,8 @@ import torch
 from .io import CheckpointError
 
 
-__all__ = ["plain", "rng_state", "set_rng_state", "recorder_state", "set_recorder_state",
+__all__ = ["plain", "rng_state", "set_rng_state", "recorder_state", "set_recorder_state", "module_states",
+           "set_module_states",
            "install_lazy_losses", "RecorderLosses", "callback_states", "set_callback_states", "cb_key"]
 
 
@@ -139,6 +140,32 @@ def set_recorder_state(learn, st: dict) -> None:
             if k in _METRIC_FIELDS: m.__dict__[k] = list(v) if isinstance(v, (list, tuple)) else v
     if rec.smooth_loss.count: learn.smooth_loss = rec.smooth_loss.value
     if rec.values: learn.final_record = rec.values[-1].copy()
+
+
+def module_states(model) -> dict:
+    """Tensors a model keeps between batches outside its state dict: the hidden state of recurrent
+    models that carry it across batches (fastai's `AWD_LSTM`: `hidden` and `bs`), by module name."""
+    out = {}
+    for name, m in model.named_modules():
+        hid = m.__dict__.get("hidden")
+        if isinstance(hid, list) and hid and isinstance(m.__dict__.get("bs"), int):
+            out[name] = {"hidden": plain(hid), "bs": m.bs}
+    return out
+
+
+def set_module_states(model, states: dict) -> None:
+    mods = dict(model.named_modules())
+    for name, st in states.items():
+        m = mods.get(name)
+        if m is None or not isinstance(m.__dict__.get("hidden"), list):
+            raise CheckpointError(f"model state {name!r}: this model has no such recurrent module")
+        dev = next(m.parameters()).device
+
+        def to(v):
+            if isinstance(v, torch.Tensor): return v.to(dev, copy=True)
+            if isinstance(v, (list, tuple)): return type(v)(to(x) for x in v)
+            raise CheckpointError(f"model state {name!r}: {type(v).__name__} in its hidden state")
+        m.hidden, m.bs = [to(h) for h in st["hidden"]], int(st["bs"])
 
 
 def cb_key(cbs, cb) -> str:

@@ -63,3 +63,36 @@ def assert_same_run(ref, res, epochs=3):
     assert len(res["losses"]) == len(ref["losses"]) == epochs * N_ITER
     for key in ("model", "opt", "losses", "lrs", "values"):
         assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"
+
+
+def workload_cmd(pipeline, path, out, *args):
+    return [sys.executable, os.path.join(HERE, "workloads.py"), pipeline, "--path", str(path), "--out", str(out), *args]
+
+
+def run_workload(pipeline, path, out, *args, expect=0):
+    "Runs tests/workloads.py in a new process; `expect`: its exit status (-9: killed by SIGKILL)."
+    p = subprocess.run(workload_cmd(pipeline, path, out, *args), capture_output=True, text=True, env=ENV,
+                       timeout=900)
+    assert p.returncode == expect, f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}"
+    return p.stdout + p.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def workload_reference(tmp_root, pipeline, *args):
+    "The uninterrupted run of a workload, shared by the tests of one session."
+    d = os.path.join(tmp_root, "wl-" + pipeline + "_".join(a.strip("-") for a in args))
+    os.makedirs(d, exist_ok=True)
+    run_workload(pipeline, d, os.path.join(d, "out.frk"), *args)
+    return fr.load(os.path.join(d, "out.frk"))
+
+
+def crash_and_rerun(tmp_path, pipeline, die, *args, rerun=("--load", "crash"), expect=0):
+    "Kill a workload at `die` (stage,epoch,k), run the same script again; the rerun's result and output."
+    run_workload(pipeline, tmp_path, tmp_path / "dead.frk", "--die", die, *args, expect=-signal.SIGKILL)
+    log = run_workload(pipeline, tmp_path, tmp_path / "out.frk", *args, *rerun, expect=expect)
+    return (fr.load(tmp_path / "out.frk") if expect == 0 else None), log
+
+
+def assert_same_result(ref, res, keys=("model", "opt", "losses", "lrs", "values", "rng", "csv")):
+    for key in keys:
+        assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"

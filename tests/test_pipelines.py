@@ -1,0 +1,71 @@
+"""Exact, or loud, on every data pipeline fastai users train with: each workload (tests/workloads.py)
+is killed by SIGKILL mid-epoch after a save, run again in a new process with `learn.load`, and must
+end bitwise equal to its uninterrupted run (model, optimizer, Recorder, the next draw of every RNG);
+a stream that cannot be resumed exactly is refused with what to do."""
+import pytest
+
+from procs import assert_same_result, crash_and_rerun, equal, workload_reference
+
+
+def test_language_model_on_a_shuffled_lm_dataloader_resumes_exactly_after_the_first_epoch(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "lm")
+    res, log = crash_and_rerun(tmp_path, "lm", "0,1,5")
+    assert "at epoch 1, iteration 5/" in log
+    assert_same_result(ref, res)
+
+
+def test_negative_control_lm_without_its_saved_document_order_differs(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "lm")
+    res, _ = crash_and_rerun(tmp_path, "lm", "0,1,5", rerun=("--load", "crash", "--break-order"))
+    assert not equal(ref["losses"], res["losses"]) and not equal(ref["model"], res["model"])
+
+
+def test_plain_pytorch_dataloaders_resume_exactly(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "torch")
+    res, log = crash_and_rerun(tmp_path, "torch", "0,1,7")
+    assert "batch sampler" in log
+    assert_same_result(ref, res)
+
+
+def test_datablock_vision_with_workers_random_item_and_batch_transforms_resumes_exactly(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "vision")
+    res, _ = crash_and_rerun(tmp_path, "vision", "0,1,6")
+    assert_same_result(ref, res)
+
+
+def test_stream_with_state_dict_continues_from_its_state(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "stream")
+    res, log = crash_and_rerun(tmp_path, "stream", "0,1,5")
+    assert "stream state" in log
+    assert_same_result(ref, res)
+
+
+def test_stream_without_state_is_refused_with_the_options(tmp_path):
+    _, log = crash_and_rerun(tmp_path, "stream-nostate", "0,1,5", expect=1)
+    assert "state_dict()/load_state_dict()" in log and "fast_forward=True" in log and "start_iter=0" in log
+
+
+def test_stream_without_state_fast_forwards_when_asked(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "stream-nostate")
+    res, log = crash_and_rerun(tmp_path, "stream-nostate", "0,1,5", rerun=("--load", "crash", "--fast-forward"))
+    assert "fast-forward 5/5" in log
+    assert_same_result(ref, res)
+
+
+def test_train_metrics_accumulators_are_saved(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "digits", "--train-metrics")
+    res, _ = crash_and_rerun(tmp_path, "digits", "0,1,7", "--train-metrics")
+    assert_same_result(ref, res)
+
+
+@pytest.mark.parametrize("order", [0, 55])
+def test_a_save_from_a_callback_before_the_recorder_is_exact(tmp_root, tmp_path, order):
+    ref = workload_reference(tmp_root, "digits")
+    res, _ = crash_and_rerun(tmp_path, "digits", "0,1,7", "--die-order", str(order))
+    assert_same_result(ref, res)
+
+
+def test_tfmd_dl_with_a_random_after_batch_transform(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "tfmd")
+    res, _ = crash_and_rerun(tmp_path, "tfmd", "0,1,5")
+    assert_same_result(ref, res)

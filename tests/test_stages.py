@@ -1,0 +1,39 @@
+"""A training script is more than one fit: the ULMFiT-style recipe of tests/workloads.py (lr_find,
+fit_one_cycle, freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger), killed by
+SIGKILL in each stage and run again unchanged, ends bitwise equal to the uninterrupted run, history
+file included; a changed script is refused with what differs."""
+import pytest
+
+from procs import assert_same_result, crash_and_rerun, workload_reference
+
+STAGES = ("--recipe", "stages")
+
+
+@pytest.mark.parametrize("die", ["0,1,3", "1,0,10", "2,1,4"], ids=["stage-0", "stage-1", "stage-2"])
+def test_killed_in_any_stage_the_rerun_skips_finished_stages_and_is_exact(tmp_root, tmp_path, die):
+    ref = workload_reference(tmp_root, "digits", *STAGES)
+    res, log = crash_and_rerun(tmp_path, "digits", die, *STAGES)
+    stage = int(die[0])
+    for s in range(stage): assert f"skipping stage {s} (fit_one_cycle)" in log
+    assert f"skipping stage {stage}" not in log
+    assert_same_result(ref, res)
+
+
+def test_language_model_stages_with_autocheckpoint(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "lm", *STAGES, "--auto", "4")
+    res, log = crash_and_rerun(tmp_path, "lm", "2,0,6", *STAGES, "--auto", "4", rerun=())
+    assert "AutoCheckpoint: found" in log and "skipping stage 1 (fit_one_cycle)" in log
+    assert_same_result(ref, res)
+
+
+def test_csv_logger_append_mode_holds_each_row_once(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "digits", *STAGES, "--csv-append")
+    res, _ = crash_and_rerun(tmp_path, "digits", "2,1,4", *STAGES, "--csv-append")
+    assert ref["csv"].count("epoch,") == 3  # one header per stage
+    assert_same_result(ref, res)
+
+
+def test_a_changed_script_is_refused_with_the_difference(tmp_path):
+    _, log = crash_and_rerun(tmp_path, "digits", "1,0,10", *STAGES, rerun=("--load", "crash", "--lr", "0.005"),
+                             expect=1)
+    assert "stage 0 of this script differs" in log and "lr_max 0.01 -> 0.005" in log and "resume=False" in log

@@ -1,0 +1,228 @@
+"""Real fastai training scripts on the pipelines users train with, run as separate processes by the
+exactness tests:
+
+    python tests/workloads.py PIPELINE --path DIR --out OUT [--recipe one|stages] [--die S,E,K]
+                              [--load NAME | --auto N] [options]
+
+PIPELINE: `lm` (LMDataLoader(shuffle=True) and an AWD-LSTM language model with fastai's RNN callbacks),
+`vision` (a DataBlock of images with RandomResizedCrop in 2 worker processes and aug_transforms),
+`torch` (plain PyTorch DataLoaders in fastai's DataLoaders), `stream` / `stream-nostate` (a PyTorch
+IterableDataset with / without state_dict), `tfmd` (a TfmdDL over a plain list with a random
+after_batch transform), `digits` (an MLP; with --train-metrics and --die-order).
+RECIPE: `one` (fit_one_cycle(3)) or `stages` (the ULMFiT-style script: lr_find, fit_one_cycle,
+freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger).
+--die S,E,K: in stage S, after K training batches of epoch E, save `crash` (or, with --auto, let
+AutoCheckpoint have saved) and die by SIGKILL. --load NAME: `learn.load(NAME)` at the top of the script.
+The final model, optimizer, Recorder and the next draw of every RNG go to OUT.
+"""
+import argparse
+import os
+import random
+import signal
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import fastai_resume  # noqa: E402
+import fastai_resume.session  # noqa: E402
+import fastai.callback.schedule  # noqa: E402,F401
+from fastai.callback.core import Callback  # noqa: E402
+from fastai.callback.progress import CSVLogger  # noqa: E402
+from fastai.data.core import DataLoaders, TfmdDL  # noqa: E402
+from fastai.data.load import DataLoader  # noqa: E402
+from fastai.learner import Learner, Recorder  # noqa: E402
+from fastai.losses import CrossEntropyLossFlat  # noqa: E402
+from fastai.metrics import accuracy  # noqa: E402
+from fastai.torch_core import set_seed  # noqa: E402
+from fasttransform import Transform  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+
+class SaveAndDie(Callback):
+    "In stage S, after K training batches of epoch E: save `crash` (unless AutoCheckpoint does) and SIGKILL."
+    def __init__(self, at, save=True, order=100):
+        self.at, self.do_save, self.order = at, save, order
+
+    def after_batch(self):
+        sc = fastai_resume.session.script(self.learn)
+        if not self.training or sc.stage is None or sc.session is None: return
+        if (sc.stage.index, self.epoch, self.iter + 1) != self.at: return
+        if self.do_save: self.learn.save("crash", with_iter=True)
+        else:
+            auto = next(c for c in self.learn.cbs if isinstance(c, fastai_resume.AutoCheckpoint))
+            auto._check_inflight(block=True)
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def digits():
+    X, y = load_digits(return_X_y=True)
+    return torch.tensor(X / 16.0, dtype=torch.float32), torch.tensor(y)
+
+
+class Noise:
+    def __call__(self, item):
+        x, y = item
+        return x + 0.05 * torch.randn_like(x), y
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def mlp_split(m): return [list(m[0].parameters()), list(m[3].parameters()), list(m[5].parameters())]
+
+
+class NoisyDigits(torch.utils.data.Dataset):
+    def __init__(self, xs, ys): self.xs, self.ys = xs, ys
+    def __len__(self): return len(self.xs)
+    def __getitem__(self, i): return self.xs[i] + 0.05 * torch.randn(64), self.ys[i]
+
+
+class DigitStream(torch.utils.data.IterableDataset):
+    "A stream of noisy digits (one pass per epoch), resumable through state_dict/load_state_dict."
+    def __init__(self, xs, ys): self.xs, self.ys, self.pos, self.resume_at = xs, ys, 0, 0
+    def __iter__(self):
+        start, self.resume_at = self.resume_at, 0
+        for i in range(start, len(self.xs)):
+            self.pos = i + 1
+            yield self.xs[i] + 0.05 * torch.randn(64), self.ys[i]
+        self.pos = 0
+    def __len__(self): return len(self.xs)
+
+
+class StatefulDigitStream(DigitStream):
+    def state_dict(self): return {"pos": self.pos}
+    def load_state_dict(self, st): self.resume_at = st["pos"]
+
+
+class RandomScale(Transform):
+    "A random after_batch transform (drawn from torch's global RNG in the main process)."
+    order = 5
+    def encodes(self, b: torch.Tensor): return b * (1 + 0.1 * torch.rand(1)) if b.is_floating_point() else b
+
+
+def build(a):
+    set_seed(42)
+    xs, ys = digits()
+    cbs, kw, splitter = [], {}, None
+    if a.pipeline in ("digits", "torch", "stream", "stream-nostate", "tfmd"):
+        n = 600
+        tr, va = (xs[:n], ys[:n]), (xs[1500:], ys[1500:])
+        if a.pipeline == "digits":
+            train = DataLoader(list(zip(*tr)), bs=32, shuffle=True, drop_last=True, after_item=Noise())
+            valid = DataLoader(list(zip(*va)), bs=128)
+        elif a.pipeline == "torch":
+            train = torch.utils.data.DataLoader(NoisyDigits(*tr), batch_size=32, shuffle=True, drop_last=True)
+            valid = torch.utils.data.DataLoader(NoisyDigits(*va), batch_size=128)
+        elif a.pipeline.startswith("stream"):
+            cls = StatefulDigitStream if a.pipeline == "stream" else DigitStream
+            train = torch.utils.data.DataLoader(cls(*tr), batch_size=32)
+            valid = torch.utils.data.DataLoader(NoisyDigits(*va), batch_size=128)
+        else:
+            train = TfmdDL(list(zip(*tr)), bs=32, shuffle=True, drop_last=True, after_batch=[RandomScale()])
+            valid = TfmdDL(list(zip(*va)), bs=128)
+        dls = DataLoaders(train, valid, path=a.path, device="cpu")
+        model, splitter, loss = mlp(), mlp_split, CrossEntropyLossFlat()
+        kw["metrics"] = accuracy
+    elif a.pipeline == "lm":
+        from fastai.callback.rnn import rnn_cbs
+        from fastai.text.data import LMDataLoader
+        from fastai.text.models.awdlstm import AWD_LSTM, awd_lstm_lm_config, awd_lstm_lm_split
+        from fastai.text.models.core import get_language_model
+        g = torch.Generator().manual_seed(0)
+        docs = [torch.randint(0, 60, (int(n),), generator=g) for n in torch.randint(10, 40, (60,), generator=g)]
+        train = LMDataLoader(docs[:48], bs=4, seq_len=10, shuffle=True)
+        valid = LMDataLoader(docs[48:], bs=4, seq_len=10)
+        dls = DataLoaders(train, valid, path=a.path, device="cpu")
+        cfg = dict(awd_lstm_lm_config, emb_sz=8, n_hid=16, n_layers=2)
+        model, splitter, loss = get_language_model(AWD_LSTM, 60, cfg), awd_lstm_lm_split, CrossEntropyLossFlat()
+        cbs += rnn_cbs()
+    elif a.pipeline == "vision":
+        from fastai.data.block import CategoryBlock, DataBlock
+        from fastai.vision.augment import RandomResizedCrop, aug_transforms
+        from fastai.vision.core import PILImage
+        from fastai.vision.data import ImageBlock
+        imgs = (xs.view(-1, 8, 8) * 255).to(torch.uint8).repeat_interleave(2, 1).repeat_interleave(2, 2).numpy()
+        block = DataBlock(blocks=(ImageBlock, CategoryBlock), get_x=lambda i: PILImage.create(imgs[i]),
+                          get_y=lambda i: int(ys[i]), splitter=lambda items: (list(range(0, 320)), list(range(320, 400))),
+                          item_tfms=RandomResizedCrop(12, min_scale=0.6),
+                          batch_tfms=aug_transforms(size=12, max_rotate=15, do_flip=False, max_lighting=0.3))
+        dls = block.dataloaders(list(range(400)), bs=16, num_workers=2, path=a.path, device="cpu", drop_last=True)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Dropout(0.2), nn.Conv2d(8, 16, 3, stride=2),
+                              nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+        splitter, loss = (lambda m: [list(m[0].parameters()), list(m[3].parameters()), list(m[7].parameters())]), CrossEntropyLossFlat()
+        kw["metrics"] = accuracy
+    if a.train_metrics: kw["cbs"] = []
+    learn = Learner(dls, model, loss_func=loss, splitter=splitter, wd=0.01, cbs=cbs, path=a.path, **kw)
+    if a.train_metrics: learn.recorder.train_metrics = True
+    return learn
+
+
+def recipe(learn, a):
+    fit_cbs = []
+    if a.recipe == "one":
+        learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs)
+        return
+    learn.add_cb(CSVLogger(append=a.csv_append))
+    if not a.no_lr_find: learn.lr_find(num_it=20, show_plot=False)
+    learn.freeze_to(-1)
+    learn.fit_one_cycle(2, a.lr)
+    learn.freeze_to(-2)
+    learn.fit_one_cycle(2, slice(1e-3, 1e-2))
+    learn.unfreeze()
+    learn.fit_one_cycle(a.last_epochs, slice(1e-4, 1e-3))
+
+
+def result(learn):
+    rec = learn.recorder
+    rng = {"python": random.random(), "numpy": float(np.random.rand()), "torch": torch.rand(3)}
+    csv = os.path.join(learn.path, "history.csv")
+    text = open(csv).read() if os.path.exists(csv) else ""
+    rows = [",".join(line.split(",")[:-1]) for line in text.splitlines()]  # without the time column
+    return {"model": {k: v.clone() for k, v in learn.model.state_dict().items()},
+            "opt": fastai_resume.state.plain(learn.opt.state_dict()),
+            "losses": [float(x) for x in rec.losses], "lrs": [float(x) for x in rec.lrs],
+            "values": [[float(v) for v in row] for row in rec.values], "rng": rng, "csv": "\n".join(rows)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("pipeline")
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--recipe", default="one")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--last-epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--die", default=None)
+    ap.add_argument("--die-order", type=int, default=100)
+    ap.add_argument("--load", default=None)
+    ap.add_argument("--auto", type=int, default=0)
+    ap.add_argument("--csv-append", action="store_true")
+    ap.add_argument("--no-lr-find", action="store_true")
+    ap.add_argument("--train-metrics", action="store_true")
+    ap.add_argument("--fast-forward", action="store_true")
+    ap.add_argument("--break-order", action="store_true", help="negative control: forget the loaders' saved order")
+    a = ap.parse_args(argv)
+    learn = build(a)
+    if a.auto: learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
+    if a.die:
+        at = tuple(map(int, a.die.split(",")))
+        learn.add_cb(SaveAndDie(at, save=not a.auto, order=a.die_order))
+    if a.load:
+        learn.load(a.load, fast_forward=a.fast_forward)
+        if a.break_order:
+            tr = fastai_resume.session.script(learn).armed.train
+            tr["loaders_epoch"] = [dict(st, order=list(range(len(st["order"])))) if "order" in st else st
+                                   for st in tr["loaders_epoch"]]
+    with learn.no_bar():
+        recipe(learn, a)
+    fastai_resume.save(result(learn), a.out)
+
+
+if __name__ == "__main__":
+    main()
