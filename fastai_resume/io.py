@@ -194,8 +194,9 @@ def info(path: PathLike, verify: bool = True) -> dict:
         r = _core.Reader(m, verify=verify)
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
-    return {"version": r.version, "size": m.size, "blobs": r.blobs(), "tensors": r.tensors(),
-            "tree": r.tree(lambda i: _TensorRef(i, r.tensors()[i]))}
+    tensors = r.tensors()  # the table once: info must stay linear in the tensor count
+    return {"version": r.version, "size": m.size, "blobs": r.blobs(), "tensors": tensors,
+            "tree": r.tree(lambda i: _TensorRef(i, tensors[i]))}
 
 
 class _TensorRef:

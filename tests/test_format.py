@@ -174,3 +174,24 @@ def test_failed_commit_names_the_path_and_leaves_the_previous_file(tmp_path):
     with pytest.raises(TypeError):
         fr.save({"v": object()}, good)  # fails before anything is written
     assert fr.load(good) == {"v": 1} and os.listdir(tmp_path) == ["x.frk"]
+
+
+def test_info_builds_the_tensor_table_once_not_once_per_tensor(tmp_path, monkeypatch):
+    "info() (and so verify, inspect, autoresume) stays linear in the number of tensors."
+    p = tmp_path / "many.frk"
+    fr.save({f"t{i}": torch.full((i + 1,), float(i)) for i in range(50)}, p)
+    real, calls = _core.Reader, []
+
+    class CountingReader:  # the C type cannot be patched: wrap it
+        def __init__(self, *a, **kw): self.r = real(*a, **kw)
+        def tensors(self):
+            calls.append(1)
+            return self.r.tensors()
+        def __getattr__(self, name): return getattr(self.r, name)
+
+    monkeypatch.setattr(_core, "Reader", CountingReader)
+    info = fr.info(p)
+    assert len(calls) == 1
+    refs = info["tree"]
+    assert len(info["tensors"]) == 50 and [refs[f"t{i}"].index for i in range(50)] == list(range(50))
+    assert [tuple(refs[f"t{i}"].shape) for i in range(50)] == [(i + 1,) for i in range(50)]
