@@ -147,8 +147,12 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags,
 
 typedef struct frk_reader frk_reader;
 
-/* Maps path privately (copy-on-write, writable).  Free with frk_unmap. */
+/* Maps path privately (copy-on-write, writable).  Free with frk_unmap.  The
+ * mapping still reads the file: truncating that inode later faults (SIGBUS). */
 int frk_map_file(const char *path, uint8_t **base, size_t *len, frk_error *err);
+/* Reads path whole into fresh anonymous memory of the process's own: nothing
+ * done to the file afterwards can reach it.  Free with frk_unmap. */
+int frk_read_file(const char *path, uint8_t **base, size_t *len, frk_error *err);
 void frk_unmap(uint8_t *base, size_t len);
 
 /* True if the first bytes are this format's magic. */

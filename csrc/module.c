@@ -434,10 +434,11 @@ typedef struct {
 
 static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"path", NULL};
+    static char *kwlist[] = {"path", "copy", NULL};
     PyObject *path_o;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&:Mapping", kwlist, PyUnicode_FSConverter,
-                                     &path_o))
+    int copy = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$p:Mapping", kwlist, PyUnicode_FSConverter,
+                                     &path_o, &copy))
         return NULL;
     MappingObject *m = (MappingObject *)type->tp_alloc(type, 0);
     if (!m) {
@@ -447,7 +448,8 @@ static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     frk_error err;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = frk_map_file(PyBytes_AS_STRING(path_o), &m->base, &m->len, &err);
+    rc = (copy ? frk_read_file : frk_map_file)(PyBytes_AS_STRING(path_o), &m->base, &m->len,
+                                               &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(path_o);
     if (rc) {

@@ -164,14 +164,21 @@ def _decoder(mapping, reader):
     return make
 
 
-def load(path: PathLike, verify: bool = True) -> Any:
-    """Load a checkpoint saved by `save`: the value tree, with tensors as views over a private
-    copy-on-write mapping of the file (no copy; writing to them never changes the file).
+def load(path: PathLike, verify: bool = True, mmap: bool = False) -> Any:
+    """Load a checkpoint saved by `save`: the value tree, its tensors writable and the process's
+    own memory (the file is read whole into it, then verified): nothing done to the file
+    afterwards (replacing, deleting, truncating or rewriting it in place) can reach them.
+
+    `mmap=True` instead maps the file privately (copy-on-write) and returns tensors that are views
+    of the mapping: no copy, and pages are read only when touched. Caveat: the views still read the
+    file's inode, so truncating or rewriting that file in place while they live (`cp` or `truncate`
+    over it; an atomic replace such as `save` is safe) makes the process fault (SIGBUS) or see the
+    new bytes. Use it only for files nothing else writes.
 
     `verify=False` skips the blobs' checksums (never the index's). Any defect raises
     `CheckpointError`; no code from the file is ever run.
     """
-    m = _core.Mapping(os.fspath(path))
+    m = _core.Mapping(os.fspath(path), copy=not mmap)
     try:
         r = _core.Reader(m, verify=verify)
         return r.tree(_decoder(m, r))

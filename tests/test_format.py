@@ -99,15 +99,54 @@ def test_unstorable_value_fails_at_save_naming_its_path(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_loaded_tensors_are_views_of_a_private_mapping_that_outlive_the_file(tmp_path):
+@pytest.mark.parametrize("mmap", [False, True])
+def test_loaded_tensors_outlive_their_file_and_writing_them_never_changes_it(tmp_path, mmap):
     p = tmp_path / "t.frk"
     fr.save({"w": torch.arange(1000.0)}, p)
-    w = fr.load(p)["w"]
-    os.remove(p)  # deleting (or replacing) the file is safe
+    w = fr.load(p, mmap=mmap)["w"]
+    os.remove(p)  # deleting (or atomically replacing) the file is safe in both modes
     fr.save({"w": torch.zeros(1000)}, p)
     assert w.sum().item() == sum(range(1000))
-    w += 1  # copy-on-write: the file is not changed
+    w += 1  # private memory (or copy-on-write): the file is not changed
     assert fr.load(p)["w"].sum().item() == 0
+
+
+CHANGED_FILE_CHILD = r"""
+import os, sys
+import numpy as np, torch
+import fastai_resume as fr
+p, mmap = sys.argv[1], sys.argv[2] == "1"
+tree = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.arange(7),
+        "n": np.arange(5000, dtype=np.int64), "view": None}
+tree["view"] = tree["w"][10:20]
+fr.save(tree, p)
+back = fr.load(p, mmap=mmap)
+os.truncate(p, 0)                        # truncate(1) over the loaded file,
+with open(p, "wb") as f:                 # then cp(1) other bytes into the same inode
+    f.write(b"\xff" * (1 << 20))
+ok = (torch.equal(back["w"], tree["w"]) and torch.equal(back["b"], tree["b"])
+      and np.array_equal(back["n"], tree["n"]) and torch.equal(back["view"], tree["view"]))
+back["w"] += 1; back["b"] += 1; back["n"] += 1
+ok = ok and back["w"][-1].item() == 300_000 and back["view"][0].item() == 11 and back["n"][-1] == 5000
+print("OK" if ok else "CHANGED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_loaded_memory_is_the_process_own_when_the_file_is_truncated_and_rewritten(tmp_path, mmap):
+    """load() reads the file into memory of its own: truncating or rewriting the loaded file in
+    place changes nothing. The control, mmap=True, shows the hazard that default avoids: the
+    views read the inode, and the process dies of SIGBUS (run in a child, so pytest survives)."""
+    import signal
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", CHANGED_FILE_CHILD, str(tmp_path / "t.frk"), str(int(mmap))],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+    if mmap:
+        assert r.returncode == -signal.SIGBUS, (r.returncode, r.stdout, r.stderr[-2000:])
+    else:
+        assert r.returncode == 0 and r.stdout.strip() == "OK", (r.returncode, r.stdout, r.stderr[-2000:])
 
 
 def test_mapping_refuses_to_close_while_a_view_is_alive(tmp_path):
