@@ -336,6 +336,15 @@ static int check_tensor(unsigned kind, unsigned dtype, unsigned ndim, uint64_t b
                     "tensor %llu needs %llu bytes of blob %llu, which holds %llu",
                     (unsigned long long)idx, (unsigned long long)bytes, (unsigned long long)blob,
                     (unsigned long long)blob_len);
+    /* Overlapping views (stride 0, expand) would let a small file become a huge tensor as soon
+     * as anything copies it: no tensor may hold more bytes than its blob stores. */
+    if (!empty && span > blob_len)
+        return fail(err, FRK_ECORRUPT, 0,
+                    "tensor %llu holds %llu bytes of elements but its blob %llu stores %llu: "
+                    "a tensor may not be larger than its stored bytes (an overlapping view, "
+                    "such as a stride of 0)",
+                    (unsigned long long)idx, (unsigned long long)span, (unsigned long long)blob,
+                    (unsigned long long)blob_len);
     return FRK_OK;
 }
 

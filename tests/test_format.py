@@ -40,10 +40,20 @@ def test_every_torch_dtype_round_trips_bitwise(dtype, tmp_path):
 def test_zero_dim_empty_and_noncontiguous_tensors_keep_shape_and_strides(tmp_path):
     base = torch.arange(24.0).reshape(4, 6)
     tree = {"scalar": torch.tensor(3.5), "empty": torch.empty(0, 7), "t": base.t(),
-            "slice": base[1:, ::2], "expanded": torch.ones(3, 1).expand(3, 4)}
+            "slice": base[1:, ::2], "rows_overlap_but_fit": base.view(-1).as_strided((3, 6), (6, 1), 6)}
     back = roundtrip(tree, tmp_path)
     for k, v in tree.items():
         assert torch.equal(v, back[k]) and back[k].shape == v.shape and back[k].stride() == v.stride(), k
+
+
+def test_an_expanded_tensor_is_stored_as_a_copy_and_round_trips_equal(tmp_path):
+    "A view holding more elements than its storage (expand: stride 0) is stored contiguous."
+    col = torch.arange(3.0).view(3, 1)
+    tree = {"expanded": col.expand(3, 1000), "broadcast": torch.tensor(7.0).expand(50, 50)}
+    back = roundtrip(tree, tmp_path)
+    for k, v in tree.items():
+        assert torch.equal(back[k], v) and back[k].shape == v.shape and back[k].is_contiguous(), k
+    assert (tmp_path / "t.frk").stat().st_size > 4 * (3 * 1000 + 50 * 50)  # the copies' bytes
 
 
 def test_shared_storage_stays_shared_like_tied_weights(tmp_path):

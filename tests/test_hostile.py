@@ -522,20 +522,21 @@ def hostile_cases():
         with_tensor(L, 2, sizes=[0, 1 << 62, 1 << 62], strides=[0, 0, 0]).seal(), ("corrupt", "impossible"))
     C["numpy_size1_dim_byte_stride_over_int64"] = (
         with_tensor(L, 2, sizes=[1, 6], strides=[1 << 62, 1]).seal(), ("corrupt", "impossible"))
-    C["control_broadcast_2^60_elements"] = (  # huge but buildable: loads as a stride-0 view
-        with_tensor(L, 0, sizes=[1 << 30, 1 << 30], strides=[0, 0]).seal(),
-        ("ok_tensor", ["w", [1 << 30, 1 << 30], [0, 0], None]))
+    # What a load materialises stays within the file: no tensor holds more bytes than its blob
+    # (a 2^27-element stride-0 tensor in a small file made fit() allocate until the process died).
+    C["stride_0_tensor_of_2^27_elements"] = (
+        with_tensor(L, 0, sizes=[1 << 27], strides=[0]).seal(),
+        ("corrupt", "tensor 0 holds 536870912 bytes of elements but its blob 0 stores 96"))
+    C["broadcast_2^60_elements"] = (with_tensor(L, 0, sizes=[1 << 30, 1 << 30], strides=[0, 0]).seal(),
+                                    ("corrupt", "may not be larger than its stored bytes"))
+    C["control_overlapping_rows_that_fit"] = (  # overlapping, but no more bytes than the blob: loads
+        with_tensor(L, 0, sizes=[4, 6], strides=[0, 1]).seal(),
+        ("ok_tensor", ["w", [4, 6], [0, 1], [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 4]))
     C["control_empty_with_huge_stride"] = (
         with_tensor(L, 2, sizes=[0, 6], strides=[(1 << 63) - 1, 1]).seal(),
         ("ok_tensor", ["n", [0, 6], None, []]))
     return C
 
-
-KNOWN_BUG = ("core bug: check_tensor (csrc/format.c) bounds the product of all sizes (a 0 size "
-             "hides the others) and not the byte strides, while NumPy counts the non-zero sizes x "
-             "itemsize and every stride x itemsize in int64: np.ndarray / np.empty raise ValueError, "
-             "not CheckpointError")
-XFAIL = set()
 
 HOSTILE_CHILD = r'''
 cases = json.loads(open(sys.argv[1]).read())
@@ -546,9 +547,9 @@ for name, path in cases:
         if name == "control_tensor_view_fits":
             t = v["w"]
             r = ["ok_tensor", ["w", list(t.shape), list(t.stride()), t.tolist()]]
-        elif name == "control_broadcast_2^60_elements":
+        elif name == "control_overlapping_rows_that_fit":
             t = v["w"]
-            r = ["ok_tensor", ["w", list(t.shape), list(t.stride()), None]]
+            r = ["ok_tensor", ["w", list(t.shape), list(t.stride()), t.tolist()]]
         elif name == "control_empty_with_huge_stride":
             t = v["n"]
             r = ["ok_tensor", ["n", list(t.shape), None, t.tolist()]]
@@ -588,9 +589,7 @@ def hostile_results(children):
     return rc, res, out, results, {name: p for name, p in listing}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUG)) if n in XFAIL else n
-    for n in _CASES])
+@pytest.mark.parametrize("name", list(_CASES))
 def test_hostile_file(name, hostile_results):
     rc, res, out, results, paths = hostile_results
     data, (want, detail) = _CASES[name]

@@ -81,6 +81,10 @@ static void walk(const uint8_t *data, size_t size, const frk_reader *r)
             REQUIRE(t->storage_offset <= b->length / item);
             continue;
         }
+        uint64_t logical = item; /* no tensor holds more bytes than its blob stores */
+        for (unsigned d = 0; d < t->ndim; d++)
+            REQUIRE(!__builtin_mul_overflow(logical, (uint64_t)t->sizes[d], &logical));
+        REQUIRE(logical <= b->length);
         for (unsigned d = 0; d < t->ndim; d++) {
             uint64_t step;
             REQUIRE(!__builtin_mul_overflow((uint64_t)(t->sizes[d] - 1), (uint64_t)t->strides[d],

@@ -1715,6 +1715,12 @@ static void test_hostile_tensors(void)
          {0, 1ll << 62, 1ll << 62}, {0, 0, 0}},
         {"size-1 dim, byte stride over int64", "impossible stride", 0, FRK_DT_F32, 0, 0, 2,
          {1, 6}, {1ll << 62, 1}},
+        /* a view that reaches inside its blob but holds more bytes than the blob stores
+         * (stride 0, expand): copying it would turn a small file into a huge allocation */
+        {"broadcast (stride 0), 2^60 elements", "may not be larger than its stored bytes", 0,
+         FRK_DT_F32, 0, 0, 2, {1ll << 30, 1ll << 30}, {0, 0}},
+        {"overlapping rows, 120 bytes of a 96-byte blob", "holds 120 bytes of elements", 0,
+         FRK_DT_F32, 0, 0, 2, {5, 6}, {0, 1}},
         {"negative stride", "impossible shape or stride", 0, FRK_DT_F32, 0, 10, 1, {2}, {-1}},
         {"negative stride on a size-1 dim", "impossible shape or stride", 0, FRK_DT_F32, 0, 0, 1,
          {1}, {-1}},
@@ -1749,7 +1755,7 @@ static void test_hostile_tensors(void)
     } valid[] = {
         {"exactly the blob", FRK_DT_F32, 0, 1, {24}, {1}},
         {"offset + rest is the blob", FRK_DT_F32, 23, 1, {1}, {1}},
-        {"broadcast (stride 0), 2^60 elements", FRK_DT_F32, 0, 2, {1ll << 30, 1ll << 30}, {0, 0}},
+        {"overlapping (stride 0) but no larger than the blob", FRK_DT_F32, 0, 2, {4, 6}, {0, 1}},
         {"empty tensor at the blob's end", FRK_DT_F32, 24, 1, {0}, {1}},
         {"empty with huge stride", FRK_DT_F32, 0, 2, {0, 5}, {1ll << 62, 1ll << 62}},
         {"0-d scalar at the last element", FRK_DT_F32, 23, 0, {0}, {0}},
