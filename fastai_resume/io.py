@@ -49,19 +49,19 @@ class _Encoder:
 
     def value(self, v: Any, path: str) -> None:
         w = self.w
-        if v is None: w.none()
-        elif v is True or v is False: w.bool(v)
+        if v is None: w.put_none()
+        elif v is True or v is False: w.put_bool(v)
         elif isinstance(v, int):
             if not _INT64[0] <= v <= _INT64[1]:
                 raise TypeError(f"{path or 'value'}: int {v} does not fit in 64 bits")
-            w.int(v)
-        elif isinstance(v, float): w.float(v)
-        elif isinstance(v, str): w.str(v)
-        elif isinstance(v, (bytes, bytearray)): w.bytes(v)
-        elif isinstance(v, torch.Tensor): w.tensor(self.torch_tensor(v, path))
-        elif isinstance(v, np.ndarray): w.tensor(self.numpy_array(v, path))
+            w.put_int(v)
+        elif isinstance(v, float): w.put_float(v)
+        elif isinstance(v, str): w.put_str(v)
+        elif isinstance(v, (bytes, bytearray)): w.put_bytes(v)
+        elif isinstance(v, torch.Tensor): w.put_tensor(self.torch_tensor(v, path))
+        elif isinstance(v, np.ndarray): w.put_tensor(self.numpy_array(v, path))
         elif isinstance(v, dict):
-            w.dict(len(v))
+            w.put_dict(len(v))
             for k, x in v.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise TypeError(f"{path or 'value'}: dict key {k!r} ({type(k).__name__}) is not "
@@ -69,7 +69,7 @@ class _Encoder:
                 self.value(k, path)
                 self.value(x, f"{path}[{k!r}]")
         elif isinstance(v, (list, tuple)):
-            (w.tuple if isinstance(v, tuple) else w.list)(len(v))
+            (w.put_tuple if isinstance(v, tuple) else w.put_list)(len(v))
             for i, x in enumerate(v): self.value(x, f"{path}[{i}]")
         else:
             raise TypeError(f"{path or 'value'}: {type(v).__module__}.{type(v).__qualname__} is not "
@@ -95,12 +95,9 @@ class _Encoder:
         key = (st.data_ptr(), st.nbytes())
         blob = self.blobs.get(key)
         if blob is None:
-            if st.nbytes():
-                raw = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
-            else:
-                raw = b""
+            raw = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
             blob = self.blobs[key] = self.w.add_blob(raw)
-        idx = self.w.add_tensor(_TORCH, code, blob, t.storage_offset(), tuple(t.shape), t.stride())
+        idx = self.w.add_tensor(_TORCH, code, blob, int(t.storage_offset()), tuple(t.shape), t.stride())
         self.tensors[id(src)] = idx
         self.seen.append(src)
         return idx
@@ -142,8 +139,9 @@ def _decoder(mapping, reader):
     storages: dict = {}
     made: dict = {}
 
-    def make(i: int):
+    def make(i: int) -> Any:
         if i in made: return made[i]
+        t: Any
         kind, code, b, off, sizes, strides = tensors[i]
         o, n, _ = blobs[b]
         if kind == _TORCH:

@@ -244,3 +244,76 @@ def test_info_builds_the_tensor_table_once_not_once_per_tensor(tmp_path, monkeyp
     refs = info["tree"]
     assert len(info["tensors"]) == 50 and [refs[f"t{i}"].index for i in range(50)] == list(range(50))
     assert [tuple(refs[f"t{i}"].shape) for i in range(50)] == [(i + 1,) for i in range(50)]
+
+
+# ---- the binding itself --------------------------------------------------------------------------
+
+def test_every_core_function_method_and_type_has_a_signature():
+    import inspect
+    checked = []
+    for name, obj in vars(_core).items():
+        if name.startswith("_") or not callable(obj) or obj is _core.CheckpointError:
+            continue
+        checked.append(name)
+        inspect.signature(obj)  # raises ValueError where the docstring has no text signature
+        if isinstance(obj, type):
+            for mname, m in vars(obj).items():
+                if not mname.startswith("_") and callable(m):
+                    checked.append(f"{name}.{mname}")
+                    inspect.signature(getattr(obj, mname))
+    assert {"crc32c", "Writer", "Writer.put_int", "Writer.commit", "Mapping", "Reader.tree",
+            "SkipToIter.before_epoch", "skip_plan"} <= set(checked)
+    assert list(inspect.signature(_core.Mapping).parameters) == ["path", "copy"]
+    assert str(inspect.signature(_core.Writer.commit)) == "(self, /, path, fsync=True)"
+
+
+def test_core_types_are_immutable():
+    for t in (_core.Writer, _core.Mapping, _core.Reader, _core.SkipToIter):
+        with pytest.raises(TypeError):
+            t.extra = 1
+        assert not hasattr(t, "extra")
+
+
+def test_skip_actions_are_exposed_by_the_core_not_mirrored():
+    s = _core.SkipToIter()
+    s.arm(2, 5, 4, 10)
+    assert s.before_epoch(1) == (_core.STEP_SKIP, _core.RNG_NONE, 0)
+    assert s.before_epoch(2) == (_core.STEP_RESUME, _core.RNG_EPOCH_START, 5)
+    s.after_epoch(2)
+    assert s.before_epoch(3) == (_core.STEP_RUN, _core.RNG_NONE, 0)
+    s.arm(1, 0, 4, 10)
+    assert s.before_epoch(1) == (_core.STEP_RESUME, _core.RNG_SAVED, 0)
+    assert len({_core.STEP_RUN, _core.STEP_SKIP, _core.STEP_RESUME}) == 3
+    assert len({_core.RNG_NONE, _core.RNG_SAVED, _core.RNG_EPOCH_START}) == 3
+
+
+def test_two_threads_waiting_for_one_background_commit_both_get_its_result(tmp_path):
+    "wait() joins the C thread exactly once, however many Python threads wait for it."
+    import threading
+    big = torch.randn(1 << 22)  # 16 MB: the commit is still running when the waiters start
+    w = fr.io.encode({"w": big})
+    w.commit_async(str(tmp_path / "t.frk"))
+    results, start = [], threading.Barrier(3)
+
+    def waiter():
+        start.wait()
+        results.append(w.wait())
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for t in threads: t.start()
+    for t in threads: t.join(60)
+    assert len(results) == 3 and len(set(results)) == 1
+    assert results[0] == (tmp_path / "t.frk").stat().st_size and w.done
+    assert torch.equal(fr.load(tmp_path / "t.frk")["w"], big)
+    with pytest.raises(RuntimeError, match="already been committed"):
+        w.put_int(1)
+
+
+def test_a_writer_refuses_values_while_its_commit_runs_in_another_thread(tmp_path):
+    w = fr.io.encode({"w": torch.randn(1 << 22)})
+    w.commit_async(str(tmp_path / "t.frk"))
+    with pytest.raises(RuntimeError, match="already been committed"):
+        w.put_none()
+    w.wait()
+    with pytest.raises(RuntimeError, match="no background commit"):
+        w.wait()
