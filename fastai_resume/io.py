@@ -6,6 +6,7 @@ plain trees (`state`), never in bytes.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Union
 
 import numpy as np
@@ -188,11 +189,16 @@ def load(path: PathLike, verify: bool = True, mmap: bool = False) -> Any:
 
 
 def is_checkpoint(path: PathLike) -> bool:
-    "True if the file starts with this format's magic bytes (the name is never looked at)."
+    """True if `path` is a regular file that starts with this format's magic bytes (the name is
+    never looked at). A FIFO or a device is not a checkpoint, and testing one never blocks."""
     try:
-        with open(path, "rb") as f: return _core.has_magic(f.read(8))
-    except (FileNotFoundError, IsADirectoryError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and _core.has_magic(os.pread(fd, 8, 0))
+    finally:
+        os.close(fd)
 
 
 def info(path: PathLike, verify: bool = True) -> dict:

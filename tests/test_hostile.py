@@ -779,6 +779,7 @@ except fr.CheckpointError as e:
     r = ["CheckpointError", str(e)]
 except BaseException as e:
     r = [type(e).__name__, str(e)]
+r.append(fr.is_checkpoint(sys.argv[1]))  # must not block either
 signal.alarm(0)
 emit(r)
 '''
@@ -795,9 +796,56 @@ def test_loading_a_fifo_fails_fast_instead_of_hanging(children, tmp_path):
     rc, res, out, _ = child.result()
     assert rc == 0, crashed(rc, out)  # -14: SIGALRM, the load blocked
     assert res[0] == "CheckpointError" and "not a regular file" in res[1] and str(ctx["fifo"]) in res[1]
+    assert res[2] is False  # is_checkpoint: a FIFO is not a checkpoint, and asking never blocks
     # control: a directory is refused the same way, at once, in this process
     with pytest.raises(fr.CheckpointError, match="not a regular file"):
         fr.load(tmp_path)
+    assert fr.is_checkpoint(tmp_path) is False
+
+
+def test_verify_command_skips_a_fifo_instead_of_hanging(tmp_path):
+    fifo = tmp_path / "ckpt.frk"
+    os.mkfifo(fifo)
+    fr.save({"x": 1}, tmp_path / "good.frk")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for target in (fifo, tmp_path):
+        r = subprocess.run([sys.executable, "-m", "fastai_resume", "verify", str(target)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+        assert f"SKIP {fifo}" in r.stdout or (target == tmp_path and "ckpt.frk" not in r.stdout)
+    assert f"OK   {tmp_path / 'good.frk'}" in r.stdout
+
+
+# ---- paths the error messages must survive ---------------------------------------------------------
+
+def test_a_non_utf8_path_in_an_error_is_escaped_not_a_unicode_error(tmp_path):
+    bad_dir = tmp_path / os.fsdecode(b"no-such-\xff\xfe-dir")
+    with pytest.raises(OSError) as e:
+        fr.save({"x": 1}, bad_dir / "x.frk")
+    assert e.value.errno == errno.ENOENT and "no-such-\\xff\\xfe-dir" in str(e.value)
+    with pytest.raises(OSError, match=r"no-such-\\xff\\xfe-dir"):
+        fr.load(bad_dir / "x.frk")
+
+
+@pytest.mark.parametrize("pad", range(4))
+def test_an_error_about_a_long_path_is_cut_between_characters(tmp_path, pad):
+    "The C message buffer is cut at a character boundary (4-byte characters: 3 in 4 cuts would split one)."
+    deep = tmp_path / ("x" * pad + "\U0001F600" * 60) / ("\U0001F600" * 60) / "x.frk"
+    with pytest.raises(OSError) as e:
+        fr.save({"x": 1}, deep)
+    msg = str(e.value)
+    assert e.value.errno in (errno.ENOENT, errno.ENAMETOOLONG) and msg.endswith("...")
+    assert "\U0001F600" * 10 in msg and "\\x" not in msg  # whole characters, none escaped
+
+
+def test_a_name_of_240_or_255_bytes_saves_and_loads(tmp_path):
+    "The temporary file's name must fit NAME_MAX (255) too: a long name gets a short one."
+    for n in (240, 255):
+        p = tmp_path / ("c" * (n - 4) + ".frk")
+        fr.save({"n": n, "t": torch.arange(3)}, p)
+        back = fr.load(p)
+        assert back["n"] == n and torch.equal(back["t"], torch.arange(3))
+    assert sorted(len(q.name) for q in tmp_path.iterdir()) == [240, 255]  # no temporary file left
 
 
 # ---- every child starts at once ---------------------------------------------------------------------------
