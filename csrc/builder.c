@@ -65,7 +65,7 @@ int frk_builder_add_tensor(frk_builder *b, unsigned kind, unsigned dtype, uint64
 {
     uint64_t blob_len = blob < b->n_blobs ? b->blobs[blob].len : 0;
     int rc = frk_check_tensor(kind, dtype, ndim, blob, b->n_blobs, blob_len, storage_offset, sizes,
-                          strides, b->n_tensors, err);
+                              strides, b->n_tensors, err);
     if (rc == FRK_ECORRUPT) {
         char why[sizeof err->msg];
         memcpy(why, err->msg, sizeof why);
@@ -122,8 +122,7 @@ int frk_builder_put_float(frk_builder *b, double v, frk_error *err)
     return tree_put(b, FRK_TAG_FLOAT, 1, u, err);
 }
 
-int frk_builder_put_str(frk_builder *b, frk_tag tag, const void *data, uint64_t len,
-                        frk_error *err)
+int frk_builder_put_str(frk_builder *b, frk_tag tag, const void *data, uint64_t len, frk_error *err)
 {
     if (tag != FRK_TAG_STR && tag != FRK_TAG_BYTES)
         return frk_fail(err, FRK_EINVAL, 0, "tag %u is not str or bytes", (unsigned)tag);
@@ -152,6 +151,7 @@ int frk_builder_put_container(frk_builder *b, frk_tag tag, uint64_t count, frk_e
 int frk_builder_put_tensor(frk_builder *b, uint64_t tensor, frk_error *err)
 {
     if (tensor >= b->n_tensors)
-        return frk_fail(err, FRK_EINVAL, 0, "tensor %llu was never added", (unsigned long long)tensor);
+        return frk_fail(err, FRK_EINVAL, 0, "tensor %llu was never added",
+                        (unsigned long long)tensor);
     return tree_put(b, FRK_TAG_TENSOR, 1, tensor, err);
 }

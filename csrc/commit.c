@@ -138,8 +138,8 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
         if (errno != EEXIST || attempt > 100) {
             int e = errno;
             rc = frk_fail(err, FRK_EIO, e,
-                          "cannot create a temporary file %s in %s for %s: %s (errno %d)", tmp,
-                          dir, path, strerror(e), e);
+                          "cannot create a temporary file %s in %s for %s: %s (errno %d)", tmp, dir,
+                          path, strerror(e), e);
             goto out;
         }
     }

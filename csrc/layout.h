@@ -20,7 +20,7 @@
 
 /* The preamble's magic, as PNG's: a non-ASCII first byte, then CR LF, ^Z, LF, so that a 7-bit
  * or newline-converting transfer breaks it detectably. */
-#define FRK_PREAMBLE_MAGIC "\x89" "FRK\r\n\x1a\n"
+#define FRK_PREAMBLE_MAGIC "\x89\x46\x52\x4b\r\n\x1a\n" /* \x89 F R K CR LF ^Z LF */
 /* The footer's magic: the last bytes of a complete file. */
 #define FRK_FOOTER_MAGIC "FRKFOOT\n"
 #define FRK_MAGIC_SIZE 8u

@@ -223,8 +223,8 @@ static PyObject *Writer_add_tensor(WriterObject *w, PyObject *args)
         return NULL;
     uint64_t idx;
     frk_error err;
-    if (frk_builder_add_tensor(w->b, kind, dtype, blob, offset, (unsigned)nd, sizes, strides,
-                               &idx, &err))
+    if (frk_builder_add_tensor(w->b, kind, dtype, blob, offset, (unsigned)nd, sizes, strides, &idx,
+                               &err))
         return raise_frk(state_of_type(Py_TYPE(w)), &err);
     return PyLong_FromUnsignedLongLong(idx);
 }
@@ -429,8 +429,7 @@ static PyMethodDef Writer_methods[] = {
     {"put_bool", (PyCFunction)Writer_put_bool, METH_O, PUT_DOC(put_bool, v, "Append a bool.")},
     {"put_int", (PyCFunction)Writer_put_int, METH_O,
      PUT_DOC(put_int, v, "Append an int (64-bit).")},
-    {"put_float", (PyCFunction)Writer_put_float, METH_O,
-     PUT_DOC(put_float, v, "Append a float.")},
+    {"put_float", (PyCFunction)Writer_put_float, METH_O, PUT_DOC(put_float, v, "Append a float.")},
     {"put_str", (PyCFunction)Writer_put_str, METH_O, PUT_DOC(put_str, v, "Append a str.")},
     {"put_bytes", (PyCFunction)Writer_put_bytes, METH_O,
      PUT_DOC(put_bytes, v, "Append bytes (any bytes-like object).")},
@@ -445,8 +444,7 @@ static PyMethodDef Writer_methods[] = {
     {"commit", (PyCFunction)(void (*)(void))Writer_commit, METH_VARARGS | METH_KEYWORDS,
      "commit($self, /, path, fsync=True)\n--\n\n"
      "Write the checkpoint atomically, with the GIL released; returns the bytes written."},
-    {"commit_async", (PyCFunction)(void (*)(void))Writer_commit_async,
-     METH_VARARGS | METH_KEYWORDS,
+    {"commit_async", (PyCFunction)(void (*)(void))Writer_commit_async, METH_VARARGS | METH_KEYWORDS,
      "commit_async($self, /, path, fsync=True)\n--\n\nCommit in a C thread; see wait()."},
     {"wait", (PyCFunction)Writer_wait, METH_NOARGS,
      "wait($self, /)\n--\n\n"
@@ -497,8 +495,7 @@ static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     frk_error err;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = (copy ? frk_read_file : frk_map_file)(PyBytes_AS_STRING(path_o), &m->base, &m->len,
-                                               &err);
+    rc = (copy ? frk_read_file : frk_map_file)(PyBytes_AS_STRING(path_o), &m->base, &m->len, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(path_o);
     if (rc) {
@@ -705,7 +702,8 @@ static PyObject *build(ReaderObject *ro, const frk_node *nodes, size_t *i, PyObj
     case FRK_TAG_LIST:
     case FRK_TAG_TUPLE: {
         int is_list = nd->tag == FRK_TAG_LIST;
-        PyObject *c = is_list ? PyList_New((Py_ssize_t)nd->count) : PyTuple_New((Py_ssize_t)nd->count);
+        PyObject *c =
+            is_list ? PyList_New((Py_ssize_t)nd->count) : PyTuple_New((Py_ssize_t)nd->count);
         for (uint64_t k = 0; c && k < nd->count; k++) {
             PyObject *v = build(ro, nodes, i, make_tensor);
             if (!v) {
@@ -877,8 +875,7 @@ static PyMethodDef Skip_methods[] = {
     {"arm", (PyCFunction)Skip_arm, METH_VARARGS,
      "arm($self, epoch, iter, n_epoch, n_iter, /)\n--\n\n"
      "Resume at (epoch, iter) in a fit of n_epoch epochs of n_iter batches."},
-    {"disarm", (PyCFunction)Skip_disarm, METH_NOARGS,
-     "disarm($self, /)\n--\n\nEvery epoch runs."},
+    {"disarm", (PyCFunction)Skip_disarm, METH_NOARGS, "disarm($self, /)\n--\n\nEvery epoch runs."},
     {"before_epoch", (PyCFunction)Skip_before_epoch, METH_O,
      "before_epoch($self, epoch, /)\n--\n\n"
      "At the start of each epoch: (action, rng_action, first_iter), with action one of\n"
@@ -988,8 +985,8 @@ static int core_exec(PyObject *m)
     core_state *st = PyModule_GetState(m);
     st->CheckpointError = PyErr_NewExceptionWithDoc(
         "fastai_resume.CheckpointError",
-        "A checkpoint file is damaged, truncated, hostile or not a checkpoint.",
-        PyExc_ValueError, NULL);
+        "A checkpoint file is damaged, truncated, hostile or not a checkpoint.", PyExc_ValueError,
+        NULL);
     if (!st->CheckpointError || PyModule_AddObjectRef(m, "CheckpointError", st->CheckpointError))
         return -1;
     if (!(st->Writer = add_type(m, &Writer_spec)) || !(st->Mapping = add_type(m, &Mapping_spec)) ||
@@ -1040,9 +1037,15 @@ static PyModuleDef_Slot core_slots[] = {
 };
 
 static struct PyModuleDef core_module = {
-    PyModuleDef_HEAD_INIT, "fastai_resume._core",
+    PyModuleDef_HEAD_INIT,
+    "fastai_resume._core",
     "The C core of fastai_resume: checkpoint format, CRC32C, atomic commit, SkipToIter.",
-    sizeof(core_state), core_methods, core_slots, core_traverse, core_clear, core_free,
+    sizeof(core_state),
+    core_methods,
+    core_slots,
+    core_traverse,
+    core_clear,
+    core_free,
 };
 
 PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&core_module); }

@@ -45,8 +45,8 @@ static int open_checkpoint_file(const char *path, int *fd_out, size_t *len, frk_
         rc = frk_fail(err, FRK_ECORRUPT, 0, "%s is not a regular file", path);
     else if (st.st_size < (off_t)(FRK_PREAMBLE_SIZE + FRK_FOOTER_SIZE))
         rc = frk_fail(err, FRK_ECORRUPT, 0,
-                  "%s is %lld bytes, too short to be a checkpoint (truncated?)", path,
-                  (long long)st.st_size);
+                      "%s is %lld bytes, too short to be a checkpoint (truncated?)", path,
+                      (long long)st.st_size);
     else if ((uint64_t)st.st_size > SIZE_MAX)
         rc = frk_fail(err, FRK_ECORRUPT, 0, "%s is too large to map", path);
     if (rc) {
@@ -98,8 +98,8 @@ int frk_read_file(const char *path, uint8_t **base, size_t *len, frk_error *err)
             int e = errno;
             rc = n < 0 ? frk_io_fail(err, "cannot read", path, e)
                        : frk_fail(err, FRK_ECORRUPT, 0,
-                              "%s shrank from %zu to %zu bytes while it was read (truncated?)",
-                              path, *len, done);
+                                  "%s shrank from %zu to %zu bytes while it was read (truncated?)",
+                                  path, *len, done);
             close(fd);
             munmap(m, *len);
             return rc;
@@ -141,13 +141,15 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
     int rc;
     *out = NULL;
     if (len < FRK_PREAMBLE_SIZE + FRK_FOOTER_SIZE)
-        return frk_corrupt(err, "file is %zu bytes, too short to be a checkpoint (truncated?)", len);
+        return frk_corrupt(err, "file is %zu bytes, too short to be a checkpoint (truncated?)",
+                           len);
     if (!frk_has_magic(data, len))
         return frk_corrupt(err, "not a fastai-resume checkpoint (bad magic bytes)");
     uint32_t version = frk_get32(data + FRK_PRE_VERSION);
     if (version != FRK_FORMAT_VERSION)
-        return frk_corrupt(err, "format version %u, this build reads version %u: upgrade fastai_resume",
-                       version, FRK_FORMAT_VERSION);
+        return frk_corrupt(err,
+                           "format version %u, this build reads version %u: upgrade fastai_resume",
+                           version, FRK_FORMAT_VERSION);
     if (!check_zero(data + FRK_PRE_RESERVED, FRK_PREAMBLE_SIZE - FRK_PRE_RESERVED))
         return frk_corrupt(err, "preamble has unknown flags set");
 
@@ -160,8 +162,9 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
     uint64_t index_size = frk_get64(foot + FRK_FOOT_INDEX_SIZE);
     uint64_t file_size = frk_get64(foot + FRK_FOOT_FILE_SIZE);
     if (file_size != len)
-        return frk_corrupt(err, "footer says %llu bytes but the file has %zu: truncated or appended to",
-                       (unsigned long long)file_size, len);
+        return frk_corrupt(err,
+                           "footer says %llu bytes but the file has %zu: truncated or appended to",
+                           (unsigned long long)file_size, len);
     if (frk_get32(foot + FRK_FOOT_VERSION) != version ||
         !check_zero(foot + FRK_FOOT_RESERVED, FRK_FOOT_CRC - FRK_FOOT_RESERVED))
         return frk_corrupt(err, "footer fields are inconsistent");
@@ -170,7 +173,7 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
         __builtin_add_overflow(index_offset, index_size, &index_end) ||
         index_end != len - FRK_FOOTER_SIZE || index_size < 3 * FRK_INDEX_WORD)
         return frk_corrupt(err, "index location (offset %llu, %llu bytes) is outside the file",
-                       (unsigned long long)index_offset, (unsigned long long)index_size);
+                           (unsigned long long)index_offset, (unsigned long long)index_size);
     const uint8_t *ix = data + index_offset;
     if (frk_get32(foot + FRK_FOOT_INDEX_CRC) != frk_crc32c(0, ix, (size_t)index_size))
         return frk_corrupt(err, "index checksum mismatch: the file is damaged");
@@ -204,12 +207,13 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
         bl->length = frk_get64(e + FRK_BLOB_LENGTH);
         bl->crc = frk_get32(e + FRK_BLOB_CRC);
         uint64_t end;
-        if (frk_get32(e + FRK_BLOB_RESERVED) || bl->offset % FRK_BLOB_ALIGN || bl->offset < prev_end ||
-            __builtin_add_overflow(bl->offset, bl->length, &end) || end > index_offset) {
+        if (frk_get32(e + FRK_BLOB_RESERVED) || bl->offset % FRK_BLOB_ALIGN ||
+            bl->offset < prev_end || __builtin_add_overflow(bl->offset, bl->length, &end) ||
+            end > index_offset) {
             rc = frk_corrupt(err,
-                         "blob %zu (offset %llu, %llu bytes) overlaps another or lies outside "
-                         "the data area",
-                         i, (unsigned long long)bl->offset, (unsigned long long)bl->length);
+                             "blob %zu (offset %llu, %llu bytes) overlaps another or lies outside "
+                             "the data area",
+                             i, (unsigned long long)bl->offset, (unsigned long long)bl->length);
             goto bad;
         }
         prev_end = end;
@@ -223,7 +227,8 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
     uint64_t nt = frk_get64(ix + pos);
     pos += FRK_INDEX_WORD;
     if (nt > (isz - pos) / FRK_TENSOR_HEAD_SIZE) {
-        rc = frk_corrupt(err, "tensor count %llu does not fit in the index", (unsigned long long)nt);
+        rc =
+            frk_corrupt(err, "tensor count %llu does not fit in the index", (unsigned long long)nt);
         goto bad;
     }
     r->n_tensors = (size_t)nt;
@@ -256,7 +261,7 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
         }
         if (te->ndim > FRK_MAX_NDIM || (isz - pos) / FRK_TENSOR_DIM_SIZE < te->ndim) {
             rc = frk_corrupt(err, "tensor %zu has %u dimensions, more than the index holds", i,
-                         te->ndim);
+                             te->ndim);
             goto bad;
         }
         int64_t *sz = r->dims + used_dims, *st = sz + te->ndim;
@@ -270,7 +275,7 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
         te->strides = st;
         uint64_t blen = te->blob < r->n_blobs ? r->blobs[te->blob].length : 0;
         if ((rc = frk_check_tensor(te->kind, te->dtype, te->ndim, te->blob, r->n_blobs, blen,
-                               te->storage_offset, sz, st, i, err)))
+                                   te->storage_offset, sz, st, i, err)))
             goto bad;
     }
 
@@ -283,7 +288,7 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
     pos += FRK_INDEX_WORD;
     if (tree_len != isz - pos) {
         rc = frk_corrupt(err, "value tree claims %llu bytes, the index has %zu left",
-                     (unsigned long long)tree_len, isz - pos);
+                         (unsigned long long)tree_len, isz - pos);
         goto bad;
     }
     frk_tree_parser tp = {ix + pos, (size_t)tree_len, 0, nt, NULL, 0, 64, err};
@@ -315,9 +320,10 @@ int frk_reader_verify_blob(const frk_reader *r, size_t i, frk_error *err)
         return frk_fail(err, FRK_EINVAL, 0, "no blob %zu", i);
     const frk_blob *bl = &r->blobs[i];
     if (frk_crc32c(0, r->data + bl->offset, (size_t)bl->length) != bl->crc)
-        return frk_corrupt(err, "checksum mismatch in blob %zu (offset %llu, %llu bytes): the file is "
-                            "damaged",
-                       i, (unsigned long long)bl->offset, (unsigned long long)bl->length);
+        return frk_corrupt(err,
+                           "checksum mismatch in blob %zu (offset %llu, %llu bytes): the file is "
+                           "damaged",
+                           i, (unsigned long long)bl->offset, (unsigned long long)bl->length);
     return FRK_OK;
 }
 
@@ -334,4 +340,3 @@ const frk_tensor *frk_reader_tensor(const frk_reader *r, size_t i)
 }
 size_t frk_reader_node_count(const frk_reader *r) { return r->n_nodes; }
 const frk_node *frk_reader_nodes(const frk_reader *r) { return r->nodes; }
-

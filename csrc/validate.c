@@ -37,12 +37,13 @@ int frk_io_fail(frk_error *err, const char *what, const char *path, int e)
 }
 
 static const unsigned char DTYPE_SIZE[FRK_DT_COUNT] = {
-    [FRK_DT_BOOL] = 1, [FRK_DT_U8] = 1, [FRK_DT_I8] = 1, [FRK_DT_I16] = 2,
-    [FRK_DT_I32] = 4, [FRK_DT_I64] = 8, [FRK_DT_U16] = 2, [FRK_DT_U32] = 4,
-    [FRK_DT_U64] = 8, [FRK_DT_F16] = 2, [FRK_DT_BF16] = 2, [FRK_DT_F32] = 4,
-    [FRK_DT_F64] = 8, [FRK_DT_C32] = 4, [FRK_DT_C64] = 8, [FRK_DT_C128] = 16,
-    [FRK_DT_F8_E4M3FN] = 1, [FRK_DT_F8_E5M2] = 1, [FRK_DT_F8_E4M3FNUZ] = 1,
-    [FRK_DT_F8_E5M2FNUZ] = 1, [FRK_DT_F8_E8M0FNU] = 1,
+    [FRK_DT_BOOL] = 1,        [FRK_DT_U8] = 1,          [FRK_DT_I8] = 1,
+    [FRK_DT_I16] = 2,         [FRK_DT_I32] = 4,         [FRK_DT_I64] = 8,
+    [FRK_DT_U16] = 2,         [FRK_DT_U32] = 4,         [FRK_DT_U64] = 8,
+    [FRK_DT_F16] = 2,         [FRK_DT_BF16] = 2,        [FRK_DT_F32] = 4,
+    [FRK_DT_F64] = 8,         [FRK_DT_C32] = 4,         [FRK_DT_C64] = 8,
+    [FRK_DT_C128] = 16,       [FRK_DT_F8_E4M3FN] = 1,   [FRK_DT_F8_E5M2] = 1,
+    [FRK_DT_F8_E4M3FNUZ] = 1, [FRK_DT_F8_E5M2FNUZ] = 1, [FRK_DT_F8_E8M0FNU] = 1,
 };
 
 size_t frk_dtype_size(unsigned code) { return code < FRK_DT_COUNT ? DTYPE_SIZE[code] : 0; }
@@ -106,8 +107,9 @@ static int parse_value(frk_tree_parser *tp, unsigned depth, int is_key)
 {
     size_t start = tp->pos;
     if (depth > FRK_MAX_DEPTH)
-        return frk_fail(tp->err, FRK_ECORRUPT, 0, "value tree nested deeper than %u levels at byte %zu",
-                    FRK_MAX_DEPTH, start);
+        return frk_fail(tp->err, FRK_ECORRUPT, 0,
+                        "value tree nested deeper than %u levels at byte %zu", FRK_MAX_DEPTH,
+                        start);
     if (tp->pos >= tp->len)
         return frk_fail(tp->err, FRK_ECORRUPT, 0, "value tree ends early at byte %zu", start);
     frk_node nd = {0};
@@ -115,7 +117,7 @@ static int parse_value(frk_tree_parser *tp, unsigned depth, int is_key)
     size_t rest = tp->len - tp->pos;
     if (is_key && nd.tag != FRK_TAG_STR && nd.tag != FRK_TAG_INT)
         return frk_fail(tp->err, FRK_ECORRUPT, 0, "dict key at byte %zu is tag %u, not str or int",
-                    start, nd.tag);
+                        start, nd.tag);
     switch (nd.tag) {
     case FRK_TAG_NONE:
     case FRK_TAG_FALSE:
@@ -147,30 +149,32 @@ static int parse_value(frk_tree_parser *tp, unsigned depth, int is_key)
         rest -= FRK_VALUE_WORD;
         break;
     default:
-        return frk_fail(tp->err, FRK_ECORRUPT, 0, "unknown value tag %u at byte %zu", nd.tag, start);
+        return frk_fail(tp->err, FRK_ECORRUPT, 0, "unknown value tag %u at byte %zu", nd.tag,
+                        start);
     }
     if (nd.tag == FRK_TAG_STR || nd.tag == FRK_TAG_BYTES) {
         if (nd.count > rest)
             return frk_fail(tp->err, FRK_ECORRUPT, 0,
-                        "string at byte %zu claims %llu bytes, only %zu remain", start,
-                        (unsigned long long)nd.count, rest);
+                            "string at byte %zu claims %llu bytes, only %zu remain", start,
+                            (unsigned long long)nd.count, rest);
         nd.data = tp->p + tp->pos;
         if (nd.tag == FRK_TAG_STR && !frk_utf8_valid(nd.data, (size_t)nd.count))
-            return frk_fail(tp->err, FRK_ECORRUPT, 0, "string at byte %zu is not valid UTF-8", start);
+            return frk_fail(tp->err, FRK_ECORRUPT, 0, "string at byte %zu is not valid UTF-8",
+                            start);
         tp->pos += (size_t)nd.count;
     } else if (nd.tag == FRK_TAG_TENSOR) {
         if (nd.count >= tp->n_tensors)
             return frk_fail(tp->err, FRK_ECORRUPT, 0,
-                        "tensor reference %llu at byte %zu, but the table holds %llu",
-                        (unsigned long long)nd.count, start, (unsigned long long)tp->n_tensors);
+                            "tensor reference %llu at byte %zu, but the table holds %llu",
+                            (unsigned long long)nd.count, start, (unsigned long long)tp->n_tensors);
     } else if (nd.tag >= FRK_TAG_LIST) { /* containers: every item takes at least a byte */
         uint64_t need = nd.count;
         if (nd.tag == FRK_TAG_DICT)
             need = nd.count > UINT64_MAX / 2 ? UINT64_MAX : nd.count * 2;
         if (need > rest)
             return frk_fail(tp->err, FRK_ECORRUPT, 0,
-                        "container at byte %zu claims %llu items, only %zu bytes remain", start,
-                        (unsigned long long)nd.count, rest);
+                            "container at byte %zu claims %llu items, only %zu bytes remain", start,
+                            (unsigned long long)nd.count, rest);
     }
     size_t at = 0;
     int rc = node_push(tp, &nd, &at);
@@ -197,7 +201,7 @@ int frk_parse_tree(frk_tree_parser *tp)
         return rc;
     if (tp->pos != tp->len)
         return frk_fail(tp->err, FRK_ECORRUPT, 0, "%zu stray bytes after the value tree",
-                    tp->len - tp->pos);
+                        tp->len - tp->pos);
     return FRK_OK;
 }
 
@@ -229,25 +233,24 @@ static int view_extent(unsigned ndim, const int64_t *sizes, const int64_t *strid
     return 0;
 }
 
-int frk_check_tensor(unsigned kind, unsigned dtype, unsigned ndim, uint64_t blob,
-                        uint64_t n_blobs, uint64_t blob_len, uint64_t storage_offset,
-                        const int64_t *sizes, const int64_t *strides, uint64_t idx,
-                        frk_error *err)
+int frk_check_tensor(unsigned kind, unsigned dtype, unsigned ndim, uint64_t blob, uint64_t n_blobs,
+                     uint64_t blob_len, uint64_t storage_offset, const int64_t *sizes,
+                     const int64_t *strides, uint64_t idx, frk_error *err)
 {
     size_t item = frk_dtype_size(dtype);
     if (kind > FRK_KIND_NUMPY)
-        return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has unknown kind %u", (unsigned long long)idx,
-                    kind);
+        return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has unknown kind %u",
+                        (unsigned long long)idx, kind);
     if (!item)
         return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has unknown dtype code %u",
-                    (unsigned long long)idx, dtype);
+                        (unsigned long long)idx, dtype);
     if (ndim > FRK_MAX_NDIM)
         return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has %u dimensions (at most %u)",
-                    (unsigned long long)idx, ndim, FRK_MAX_NDIM);
+                        (unsigned long long)idx, ndim, FRK_MAX_NDIM);
     if (blob >= n_blobs)
         return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu refers to blob %llu of %llu",
-                    (unsigned long long)idx, (unsigned long long)blob,
-                    (unsigned long long)n_blobs);
+                        (unsigned long long)idx, (unsigned long long)blob,
+                        (unsigned long long)n_blobs);
     uint64_t extent, bytes, span = item;
     int empty = 0;
     /* torch and NumPy count elements and bytes in int64: so must a valid shape (broadcast
@@ -258,30 +261,30 @@ int frk_check_tensor(unsigned kind, unsigned dtype, unsigned ndim, uint64_t blob
             (sizes[d] > 0 && (__builtin_mul_overflow(span, (uint64_t)sizes[d], &span) ||
                               span > (uint64_t)INT64_MAX)))
             return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has an impossible shape",
-                        (unsigned long long)idx);
+                            (unsigned long long)idx);
         empty |= sizes[d] == 0;
     }
     for (unsigned d = 0; d < ndim && !empty; d++)
         if (strides[d] > INT64_MAX / (int64_t)item)
             return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has an impossible stride",
-                        (unsigned long long)idx);
+                            (unsigned long long)idx);
     if (view_extent(ndim, sizes, strides, storage_offset, &extent) ||
         __builtin_mul_overflow(extent, (uint64_t)item, &bytes))
         return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has an impossible shape or stride",
-                    (unsigned long long)idx);
+                        (unsigned long long)idx);
     if (bytes > blob_len || (extent == 0 && storage_offset > blob_len / item))
         return frk_fail(err, FRK_ECORRUPT, 0,
-                    "tensor %llu needs %llu bytes of blob %llu, which holds %llu",
-                    (unsigned long long)idx, (unsigned long long)bytes, (unsigned long long)blob,
-                    (unsigned long long)blob_len);
+                        "tensor %llu needs %llu bytes of blob %llu, which holds %llu",
+                        (unsigned long long)idx, (unsigned long long)bytes,
+                        (unsigned long long)blob, (unsigned long long)blob_len);
     /* Overlapping views (stride 0, expand) would let a small file become a huge tensor as soon
      * as anything copies it: no tensor may hold more bytes than its blob stores. */
     if (!empty && span > blob_len)
         return frk_fail(err, FRK_ECORRUPT, 0,
-                    "tensor %llu holds %llu bytes of elements but its blob %llu stores %llu: "
-                    "a tensor may not be larger than its stored bytes (an overlapping view, "
-                    "such as a stride of 0)",
-                    (unsigned long long)idx, (unsigned long long)span, (unsigned long long)blob,
-                    (unsigned long long)blob_len);
+                        "tensor %llu holds %llu bytes of elements but its blob %llu stores %llu: "
+                        "a tensor may not be larger than its stored bytes (an overlapping view, "
+                        "such as a stride of 0)",
+                        (unsigned long long)idx, (unsigned long long)span, (unsigned long long)blob,
+                        (unsigned long long)blob_len);
     return FRK_OK;
 }

@@ -20,10 +20,10 @@
 
 static volatile uint8_t sink;
 
-#define REQUIRE(c)                                                                         \
-    do {                                                                                   \
-        if (!(c))                                                                          \
-            abort();                                                                       \
+#define REQUIRE(c)                                                                                 \
+    do {                                                                                           \
+        if (!(c))                                                                                  \
+            abort();                                                                               \
     } while (0)
 
 static void touch(const uint8_t *base, size_t len, uint64_t off, uint64_t n)

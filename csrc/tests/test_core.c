@@ -599,9 +599,10 @@ static void test_crc_hw_vs_portable(void)
                 bad += !CHECKF(0, "len %zu align %zu: hw %08x portable %08x", n, a, h, p);
         }
     /* lengths around the 3 x 4096-byte three-stream blocks, every alignment */
-    static const size_t edges[] = {8 * 1024,  12 * 1024 - 9, 12 * 1024 - 1, 12 * 1024,
+    static const size_t edges[] = {8 * 1024,      12 * 1024 - 9, 12 * 1024 - 1, 12 * 1024,
                                    12 * 1024 + 1, 12 * 1024 + 7, 12 * 1024 + 8, 24 * 1024 - 1,
-                                   24 * 1024, 24 * 1024 + 5, 36 * 1024 + 3, 65536, 100000};
+                                   24 * 1024,     24 * 1024 + 5, 36 * 1024 + 3, 65536,
+                                   100000};
     for (size_t e = 0; e < sizeof edges / sizeof *edges; e++)
         for (size_t a = 0; a < 16; a++) {
             size_t n = edges[e];
@@ -616,8 +617,8 @@ static void test_crc_hw_vs_portable(void)
         uint32_t c0 = (uint32_t)rnd();
         uint32_t h = frk_crc32c(c0, buf + a, n), p = frk_crc32c_portable(c0, buf + a, n);
         if (h != p)
-            bad += !CHECKF(0, "random len %zu align %zu crc0 %08x: hw %08x portable %08x", n, a,
-                           c0, h, p);
+            bad += !CHECKF(0, "random len %zu align %zu crc0 %08x: hw %08x portable %08x", n, a, c0,
+                           h, p);
     }
     /* a few MB at odd alignments */
     for (size_t a = 0; a < 8; a += 1) {
@@ -625,7 +626,7 @@ static void test_crc_hw_vs_portable(void)
         uint32_t h = frk_crc32c(0, buf + a, n), p = frk_crc32c_portable(0, buf + a, n);
         CHECKF(h == p, "%zu bytes at align %zu: hw %08x portable %08x", n, a, h, p);
     }
-    /* continuation: crc(crc(a), b) == crc(a + b), splits anywhere (inside three-stream blocks too) */
+    /* continuation: crc(crc(a), b) == crc(a + b), split anywhere (in three-stream blocks too) */
     for (int i = 0; i < 300; i++) {
         size_t n = i < 8 ? big - rnd_below(100) : rnd_below(200000), a = rnd_below(32);
         size_t cut = rnd_below(n + 1);
@@ -668,10 +669,10 @@ static int build_roundtrip(frk_builder *b, frk_error *err)
 {
     uint64_t b0, b1, b2, b3, t0, t1, t2, t3, t4;
     int rc = 0;
-#define TRY(x)                                                                             \
-    do {                                                                                   \
-        if ((rc = (x)) != FRK_OK)                                                          \
-            return rc;                                                                     \
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        if ((rc = (x)) != FRK_OK)                                                                  \
+            return rc;                                                                             \
     } while (0)
     TRY(frk_builder_add_blob(b, RT_F32, sizeof RT_F32, &b0, err));
     TRY(frk_builder_add_blob(b, RT_I64, sizeof RT_I64, &b1, err));
@@ -753,8 +754,7 @@ static size_t dict_get(const frk_node *nodes, size_t d, const char *key)
     for (uint64_t k = 0; k < nodes[d].count; k++) {
         const frk_node *kn = &nodes[i];
         size_t v = kn->next;
-        if (kn->tag == FRK_TAG_STR && kn->count == strlen(key) &&
-            !memcmp(kn->data, key, kn->count))
+        if (kn->tag == FRK_TAG_STR && kn->count == strlen(key) && !memcmp(kn->data, key, kn->count))
             return v;
         i = nodes[v].next;
     }
@@ -834,8 +834,8 @@ static void test_roundtrip(void)
     CHECK(frk_reader_tensor_count(r) == 5);
     if (frk_reader_tensor_count(r) == 5) {
         const frk_tensor *t = frk_reader_tensor(r, 0);
-        CHECK(t->kind == FRK_KIND_TORCH && t->dtype == FRK_DT_F32 && t->ndim == 2 &&
-              t->blob == 0 && t->storage_offset == 0 && t->sizes[0] == 2 && t->sizes[1] == 3 &&
+        CHECK(t->kind == FRK_KIND_TORCH && t->dtype == FRK_DT_F32 && t->ndim == 2 && t->blob == 0 &&
+              t->storage_offset == 0 && t->sizes[0] == 2 && t->sizes[1] == 3 &&
               t->strides[0] == 3 && t->strides[1] == 1);
         t = frk_reader_tensor(r, 1);
         CHECK(t->dtype == FRK_DT_F32 && t->ndim == 2 && t->sizes[0] == 3 && t->sizes[1] == 2 &&
@@ -845,8 +845,8 @@ static void test_roundtrip(void)
         memcpy(&v, base + frk_reader_blob(r, t->blob)->offset + 4 * (2 * 1 + 1 * 3), 4);
         CHECK(v == RT_F32[5]);
         t = frk_reader_tensor(r, 2);
-        CHECK(t->kind == FRK_KIND_NUMPY && t->dtype == FRK_DT_I64 && t->ndim == 2 &&
-              t->blob == 2 && t->sizes[0] == 0 && t->sizes[1] == 5);
+        CHECK(t->kind == FRK_KIND_NUMPY && t->dtype == FRK_DT_I64 && t->ndim == 2 && t->blob == 2 &&
+              t->sizes[0] == 0 && t->sizes[1] == 5);
         t = frk_reader_tensor(r, 3);
         CHECK(t->dtype == FRK_DT_U8 && t->ndim == 1 && t->blob == 3 && t->storage_offset == 1 &&
               t->sizes[0] == 2);
@@ -862,7 +862,8 @@ static void test_roundtrip(void)
     /* nodes */
     const frk_node *nd = frk_reader_nodes(r);
     size_t n = frk_reader_node_count(r);
-    /* 1 dict + 10 keys + int,int,float,str,bytes,none + tuple(2) + list(5) + dict(1)+key+list+list + str */
+    /* 1 dict + 10 keys + int, int, float, str, bytes, none + tuple(2) + list(5)
+     * + dict(1) + key + list + list + str */
     CHECKF(n == 1 + 10 + 6 + 3 + 6 + 4 + 1, "node count %zu", n);
     int ok = 1;
     CHECK(check_next(nd, n, 0, &ok) == n && ok);
@@ -963,13 +964,14 @@ static void test_builder_rejects(void)
     frk_builder *b = frk_builder_new();
     uint8_t buf[64] = {0};
     CHECK(frk_builder_add_blob(b, buf, sizeof buf, &idx, &err) == FRK_OK && idx == 0);
-    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_F32, 0, 0, 1, (int64_t[]){17}, (int64_t[]){1},
-                                 &idx, &err) == FRK_EINVAL &&
+    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_F32, 0, 0, 1, (int64_t[]){17}, (int64_t[]){1}, &idx,
+                                 &err) == FRK_EINVAL &&
           err.status == FRK_EINVAL && strstr(err.msg, "needs 68 bytes"));
-    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_F32, 0, 0, 1, (int64_t[]){16}, (int64_t[]){1},
-                                 &idx, &err) == FRK_OK && idx == 0);
-    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_COUNT, 0, 0, 1, (int64_t[]){1}, (int64_t[]){1},
-                                 &idx, &err) == FRK_EINVAL);
+    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_F32, 0, 0, 1, (int64_t[]){16}, (int64_t[]){1}, &idx,
+                                 &err) == FRK_OK &&
+          idx == 0);
+    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_COUNT, 0, 0, 1, (int64_t[]){1}, (int64_t[]){1}, &idx,
+                                 &err) == FRK_EINVAL);
     CHECK(frk_builder_add_tensor(b, 2, FRK_DT_U8, 0, 0, 1, (int64_t[]){1}, (int64_t[]){1}, &idx,
                                  &err) == FRK_EINVAL);
     CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, 1, 0, 1, (int64_t[]){1}, (int64_t[]){1}, &idx,
@@ -979,8 +981,7 @@ static void test_builder_rejects(void)
     int64_t dims[33];
     for (int i = 0; i < 33; i++)
         dims[i] = 1;
-    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, 0, 0, 33, dims, dims, &idx, &err) ==
-          FRK_EINVAL);
+    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, 0, 0, 33, dims, dims, &idx, &err) == FRK_EINVAL);
     CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, 0, 0, 32, dims, dims, &idx, &err) == FRK_OK &&
           idx == 1);
     CHECK(frk_builder_put_tensor(b, 2, &err) == FRK_EINVAL);
@@ -1213,8 +1214,8 @@ static void test_commit_failures(void)
     snprintf(path, sizeof path, "%s/ckpt.frk", dir);
     memset(&err, 0, sizeof err);
     int rc = commit_gen(path, 1, 100, FRK_COMMIT_FSYNC, &err);
-    CHECKF(rc == FRK_EIO && err.status == FRK_EIO && err.sys_errno == ENOENT, "rc %d errno %d",
-           rc, err.sys_errno);
+    CHECKF(rc == FRK_EIO && err.status == FRK_EIO && err.sys_errno == ENOENT, "rc %d errno %d", rc,
+           err.sys_errno);
     CHECKF(strstr(err.msg, dir) && strstr(err.msg, "ckpt.frk"),
            "message does not name the path: %s", err.msg);
     CHECK(access(dir, F_OK) != 0 && count_temps(tmpdir, "ckpt.frk") == 0);
@@ -1759,7 +1760,8 @@ static void test_hostile_control(void)
               frk_get64(hf + FRK_FOOT_INDEX_SIZE) == ilen &&
               frk_get64(ff + FRK_FOOT_FILE_SIZE) == flen &&
               frk_get32(ff + FRK_FOOT_INDEX_CRC) == frk_get32(hf + FRK_FOOT_INDEX_CRC) &&
-              !memcmp(ff + FRK_FOOT_VERSION, hf + FRK_FOOT_VERSION, FRK_FOOT_CRC - FRK_FOOT_VERSION) &&
+              !memcmp(ff + FRK_FOOT_VERSION, hf + FRK_FOOT_VERSION,
+                      FRK_FOOT_CRC - FRK_FOOT_VERSION) &&
               !memcmp(ff + FRK_FOOT_MAGIC, hf + FRK_FOOT_MAGIC, FRK_MAGIC_SIZE));
     }
     free(file);
@@ -1818,7 +1820,7 @@ static void test_hostile_blobs(void)
     hspec_free(&s);
 
     /* huge blob counts with a small index */
-    static const uint64_t counts[] = {3, 1000, 1ull << 32, 1ull << 60, UINT64_MAX / 24 + 1,
+    static const uint64_t counts[] = {3,         1000, 1ull << 32, 1ull << 60, UINT64_MAX / 24 + 1,
                                       UINT64_MAX};
     for (size_t i = 0; i < sizeof counts / sizeof *counts; i++) {
         hspec_default(&s);
@@ -1872,41 +1874,146 @@ static void test_hostile_tensors(void)
         {"stride pushes past the end", "needs 108 bytes", 0, FRK_DT_F32, 0, 0, 2, {4, 6}, {6, 1}},
         {"shape x stride larger than the blob", "needs", 0, FRK_DT_F32, 0, 0, 2, {2, 3}, {100, 1}},
         {"float64 view of a float32 blob", "needs 192 bytes", 0, FRK_DT_F64, 0, 0, 1, {24}, {1}},
-        {"huge storage offset", "impossible shape or stride", 0, FRK_DT_F32, 0, UINT64_MAX, 1, {1},
+        {"huge storage offset",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         UINT64_MAX,
+         1,
+         {1},
          {1}},
-        {"storage offset x item overflows", "impossible shape or stride", 0, FRK_DT_F32, 0,
-         (1ull << 62), 1, {1}, {1}},
-        {"empty tensor with an offset past the blob", "needs 0 bytes", 0, FRK_DT_F32, 0, 25, 1,
-         {0}, {1}},
-        {"shape product overflow", "impossible shape", 0, FRK_DT_U8, 0, 0, 3,
-         {1ll << 32, 1ll << 32, 2}, {0, 0, 0}},
-        {"shape product overflow, then 0", "impossible shape", 0, FRK_DT_U8, 0, 0, 3,
-         {1ll << 40, 1ll << 40, 0}, {0, 0, 0}},
-        {"size x stride overflow", "impossible shape or stride", 0, FRK_DT_U8, 0, 0, 2,
-         {1ll << 33, 2}, {1ll << 33, 1}},
+        {"storage offset x item overflows",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         (1ull << 62),
+         1,
+         {1},
+         {1}},
+        {"empty tensor with an offset past the blob",
+         "needs 0 bytes",
+         0,
+         FRK_DT_F32,
+         0,
+         25,
+         1,
+         {0},
+         {1}},
+        {"shape product overflow",
+         "impossible shape",
+         0,
+         FRK_DT_U8,
+         0,
+         0,
+         3,
+         {1ll << 32, 1ll << 32, 2},
+         {0, 0, 0}},
+        {"shape product overflow, then 0",
+         "impossible shape",
+         0,
+         FRK_DT_U8,
+         0,
+         0,
+         3,
+         {1ll << 40, 1ll << 40, 0},
+         {0, 0, 0}},
+        {"size x stride overflow",
+         "impossible shape or stride",
+         0,
+         FRK_DT_U8,
+         0,
+         0,
+         2,
+         {1ll << 33, 2},
+         {1ll << 33, 1}},
         /* torch and NumPy count elements and bytes in int64: a broadcast (stride 0) shape
          * fits a one-element blob, but no loader could build it */
-        {"broadcast numel x 4 over int64", "impossible shape", 0, FRK_DT_F32, 0, 0, 2,
-         {1ll << 31, 1ll << 31}, {0, 0}},
-        {"broadcast numel over int64", "impossible shape", 0, FRK_DT_U8, 0, 0, 2,
-         {1ll << 62, 3}, {0, 0}},
-        {"empty, huge non-zero dims", "impossible shape", 0, FRK_DT_F32, 0, 0, 3,
-         {0, 1ll << 62, 1ll << 62}, {0, 0, 0}},
-        {"size-1 dim, byte stride over int64", "impossible stride", 0, FRK_DT_F32, 0, 0, 2,
-         {1, 6}, {1ll << 62, 1}},
+        {"broadcast numel x 4 over int64",
+         "impossible shape",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {1ll << 31, 1ll << 31},
+         {0, 0}},
+        {"broadcast numel over int64",
+         "impossible shape",
+         0,
+         FRK_DT_U8,
+         0,
+         0,
+         2,
+         {1ll << 62, 3},
+         {0, 0}},
+        {"empty, huge non-zero dims",
+         "impossible shape",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         3,
+         {0, 1ll << 62, 1ll << 62},
+         {0, 0, 0}},
+        {"size-1 dim, byte stride over int64",
+         "impossible stride",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {1, 6},
+         {1ll << 62, 1}},
         /* a view that reaches inside its blob but holds more bytes than the blob stores
          * (stride 0, expand): copying it would turn a small file into a huge allocation */
-        {"broadcast (stride 0), 2^60 elements", "may not be larger than its stored bytes", 0,
-         FRK_DT_F32, 0, 0, 2, {1ll << 30, 1ll << 30}, {0, 0}},
-        {"overlapping rows, 120 bytes of a 96-byte blob", "holds 120 bytes of elements", 0,
-         FRK_DT_F32, 0, 0, 2, {5, 6}, {0, 1}},
+        {"broadcast (stride 0), 2^60 elements",
+         "may not be larger than its stored bytes",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {1ll << 30, 1ll << 30},
+         {0, 0}},
+        {"overlapping rows, 120 bytes of a 96-byte blob",
+         "holds 120 bytes of elements",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {5, 6},
+         {0, 1}},
         {"negative stride", "impossible shape or stride", 0, FRK_DT_F32, 0, 10, 1, {2}, {-1}},
-        {"negative stride on a size-1 dim", "impossible shape or stride", 0, FRK_DT_F32, 0, 0, 1,
-         {1}, {-1}},
-        {"INT64_MIN stride on a size-1 dim", "impossible shape or stride", 0, FRK_DT_F32, 0, 0, 2,
-         {1, 3}, {INT64_MIN, 1}},
-        {"negative stride on an empty dim", "impossible shape or stride", 0, FRK_DT_F32, 0, 0, 2,
-         {0, 2}, {1, -1}},
+        {"negative stride on a size-1 dim",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         1,
+         {1},
+         {-1}},
+        {"INT64_MIN stride on a size-1 dim",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {1, 3},
+         {INT64_MIN, 1}},
+        {"negative stride on an empty dim",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {0, 2},
+         {1, -1}},
         {"negative size", "impossible shape", 0, FRK_DT_F32, 0, 0, 1, {-1}, {1}},
         {"INT64_MIN size", "impossible shape", 0, FRK_DT_F32, 0, 0, 1, {INT64_MIN}, {1}},
         {"bad dtype code 21", "unknown dtype code 21", 0, FRK_DT_COUNT, 0, 0, 1, {1}, {1}},
@@ -2061,18 +2168,12 @@ static void test_hostile_tree(void)
     static const struct {
         const char *what, *s;
     } bad_utf8[] = {
-        {"overlong '/' (2 bytes)", "\xc0\xaf"},
-        {"overlong NUL", "\xc0\x80"},
-        {"overlong (3 bytes)", "\xe0\x80\xaf"},
-        {"overlong (4 bytes)", "\xf0\x80\x80\xaf"},
-        {"surrogate D800", "\xed\xa0\x80"},
-        {"surrogate DFFF", "\xed\xbf\xbf"},
-        {"above U+10FFFF", "\xf4\x90\x80\x80"},
-        {"5-byte form", "\xf8\x88\x80\x80\x80"},
-        {"lone continuation", "a\x80"},
-        {"truncated 3-byte at end", "ok\xe2\x82"},
-        {"bad continuation", "\xe2\x28\xa1"},
-        {"0xff", "\xff"},
+        {"overlong '/' (2 bytes)", "\xc0\xaf"}, {"overlong NUL", "\xc0\x80"},
+        {"overlong (3 bytes)", "\xe0\x80\xaf"}, {"overlong (4 bytes)", "\xf0\x80\x80\xaf"},
+        {"surrogate D800", "\xed\xa0\x80"},     {"surrogate DFFF", "\xed\xbf\xbf"},
+        {"above U+10FFFF", "\xf4\x90\x80\x80"}, {"5-byte form", "\xf8\x88\x80\x80\x80"},
+        {"lone continuation", "a\x80"},         {"truncated 3-byte at end", "ok\xe2\x82"},
+        {"bad continuation", "\xe2\x28\xa1"},   {"0xff", "\xff"},
     };
     for (size_t i = 0; i < sizeof bad_utf8 / sizeof *bad_utf8; i++) {
         t.len = 0;
@@ -2088,9 +2189,16 @@ static void test_hostile_tree(void)
     t_str(&t, FRK_TAG_STR, "\xe2\x82\xac", 2);
     t_word(&t, FRK_TAG_BYTES, 0);
     tree_case("utf-8 sequence cut by the length", t.p, t.len, "not valid UTF-8");
-    static const char *good_utf8[] = {"", "ascii", "\xc2\x80", "\xdf\xbf", "\xe0\xa0\x80",
-                                      "\xed\x9f\xbf", "\xee\x80\x80", "\xef\xbf\xbf",
-                                      "\xf0\x90\x80\x80", "\xf4\x8f\xbf\xbf"};
+    static const char *good_utf8[] = {"",
+                                      "ascii",
+                                      "\xc2\x80",
+                                      "\xdf\xbf",
+                                      "\xe0\xa0\x80",
+                                      "\xed\x9f\xbf",
+                                      "\xee\x80\x80",
+                                      "\xef\xbf\xbf",
+                                      "\xf0\x90\x80\x80",
+                                      "\xf4\x8f\xbf\xbf"};
     for (size_t i = 0; i < sizeof good_utf8 / sizeof *good_utf8; i++) {
         t.len = 0;
         t_str(&t, FRK_TAG_STR, good_utf8[i], strlen(good_utf8[i]));
@@ -2135,9 +2243,10 @@ static void test_hostile_tree(void)
     tree_case("inner list has no bytes left", t.p, t.len, "claims 1 items, only 0 bytes");
 
     /* dict keys */
-    static const uint8_t bad_keys[] = {FRK_TAG_NONE, FRK_TAG_FALSE, FRK_TAG_TRUE, FRK_TAG_FLOAT,
-                                       FRK_TAG_BYTES, FRK_TAG_LIST, FRK_TAG_TUPLE, FRK_TAG_DICT,
-                                       FRK_TAG_TENSOR, 11, 200};
+    static const uint8_t bad_keys[] = {
+        FRK_TAG_NONE, FRK_TAG_FALSE, FRK_TAG_TRUE, FRK_TAG_FLOAT,  FRK_TAG_BYTES,
+        FRK_TAG_LIST, FRK_TAG_TUPLE, FRK_TAG_DICT, FRK_TAG_TENSOR, 11,
+        200};
     for (size_t i = 0; i < sizeof bad_keys; i++) {
         t.len = 0;
         t_word(&t, FRK_TAG_DICT, 1);
@@ -2464,14 +2573,14 @@ static int write_seeds(const char *dir)
     uint8_t data[512];
     for (size_t i = 0; i < sizeof data; i++)
         data[i] = (uint8_t)(i * 7 + 3);
-#define SEED_COMMIT(b)                                                                     \
-    do {                                                                                   \
-        snprintf(path, sizeof path, "%s/seed-%02d.frk", dir, n++);                         \
-        if ((rc = frk_builder_commit(b, path, 0, NULL, &err))) {                           \
-            fprintf(stderr, "seed %s: %s\n", path, err.msg);                               \
-            return 1;                                                                      \
-        }                                                                                  \
-        frk_builder_free(b);                                                               \
+#define SEED_COMMIT(b)                                                                             \
+    do {                                                                                           \
+        snprintf(path, sizeof path, "%s/seed-%02d.frk", dir, n++);                                 \
+        if ((rc = frk_builder_commit(b, path, 0, NULL, &err))) {                                   \
+            fprintf(stderr, "seed %s: %s\n", path, err.msg);                                       \
+            return 1;                                                                              \
+        }                                                                                          \
+        frk_builder_free(b);                                                                       \
     } while (0)
     frk_builder *b;
     uint64_t bi, ti;
@@ -2534,14 +2643,14 @@ static int write_seeds(const char *dir)
     for (unsigned dt = 0; dt < FRK_DT_COUNT; dt++) {
         size_t item = frk_dtype_size(dt);
         int64_t n = (int64_t)(96 / item);
-        frk_builder_add_tensor(b, dt % 2, dt, blobs[0], 0, 1, (int64_t[]){n}, (int64_t[]){1},
-                               &ti, &err);
+        frk_builder_add_tensor(b, dt % 2, dt, blobs[0], 0, 1, (int64_t[]){n}, (int64_t[]){1}, &ti,
+                               &err);
         nt++;
     }
     frk_builder_add_tensor(b, 0, FRK_DT_U8, blobs[1], 2, 3, (int64_t[]){2, 3, 4},
                            (int64_t[]){12, 1, 3}, &ti, &err);
-    frk_builder_add_tensor(b, 0, FRK_DT_I16, blobs[2], 1, 2, (int64_t[]){3, 40},
-                           (int64_t[]){0, 3}, &ti, &err);
+    frk_builder_add_tensor(b, 0, FRK_DT_I16, blobs[2], 1, 2, (int64_t[]){3, 40}, (int64_t[]){0, 3},
+                           &ti, &err);
     nt += 2;
     frk_builder_put_container(b, FRK_TAG_TUPLE, nt, &err);
     for (unsigned i = 0; i < nt; i++)
