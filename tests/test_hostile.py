@@ -4,7 +4,7 @@ so that a crash (a segfault, an abort) fails the test instead of the test run.
 * truncation at every byte offset of a real checkpoint, and 10,000 random bit flips over every
   checksum-covered byte, all raise CheckpointError (one subprocess each, looping);
 * hand-built hostile files with *valid* checksums (the index and footer are rebuilt and resealed
-  here, from the layout in csrc/format.c) are rejected by the structural checks, each with the
+  here, from the layout named in csrc/layout.h) are rejected by the structural checks, each with the
   message of the check that caught it; near-miss controls load;
 * pickle payloads (a torch.save file, pickle bytes inside str/bytes values, pickle behind our
   magic) are never unpickled: a marker file the payload would create never appears, while the
@@ -112,7 +112,7 @@ def crashed(rc, out):
         f"child exited with {rc}\n{out}"
 
 
-# ---- the byte layout (csrc/format.c), for building hostile files with valid checksums ------------
+# ---- the byte layout (csrc/layout.h, docs/FORMAT.md), for building hostile files with valid checksums
 
 MAGIC = b"\x89FRK\r\n\x1a\n"
 FOOT_MAGIC = b"FRKFOOT\n"
