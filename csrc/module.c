@@ -2,9 +2,9 @@
  *
  * Writer  encodes a value tree (driven from Python) and commits it, with the
  *         GIL released, in this thread or in a background thread of its own.
- * Mapping a private copy-on-write mapping of a checkpoint that exports its
- *         bytes through the buffer protocol; it cannot be closed while a view
- *         (and so a loaded tensor) is alive.
+ * Mapping a checkpoint's bytes, exported through the buffer protocol: read
+ *         into memory of the process's own, or mapped privately (copy on
+ *         write); it cannot be closed while a view (a loaded tensor) is alive.
  * Reader  the validated index of a Mapping; builds the Python value tree.
  * SkipToIter  the resume state machine of csrc/skip.c.
  */
@@ -15,6 +15,9 @@
 #include <stdatomic.h>
 
 #include "frk.h"
+
+/* Below this many bytes the checksum costs less than releasing the GIL (zlib's choice). */
+#define CRC_GIL_THRESHOLD (5 * 1024)
 
 typedef struct {
     PyObject *CheckpointError;
@@ -756,9 +759,14 @@ static PyObject *Reader_verify_blob(ReaderObject *ro, PyObject *v)
         return NULL;
     frk_error err;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = frk_reader_verify_blob(ro->r, i, &err);
-    Py_END_ALLOW_THREADS
+    const frk_blob *blob = frk_reader_blob(ro->r, i);
+    if (blob && blob->length >= CRC_GIL_THRESHOLD) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = frk_reader_verify_blob(ro->r, i, &err);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = frk_reader_verify_blob(ro->r, i, &err);
+    }
     if (rc)
         return raise_frk(state_of_type(Py_TYPE(ro)), &err);
     Py_RETURN_NONE;
@@ -905,9 +913,6 @@ static PyType_Spec Skip_spec = {"fastai_resume._core.SkipToIter", sizeof(SkipObj
                                 Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Skip_slots};
 
 /* ---- module functions ------------------------------------------------------------ */
-
-/* Below this many bytes the checksum costs less than releasing the GIL (zlib's choice). */
-#define CRC_GIL_THRESHOLD (5 * 1024)
 
 static PyObject *core_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
 {

@@ -90,8 +90,8 @@ class _Encoder:
         if t.device.type != "cpu": t = t.cpu()
         # The reader refuses a tensor that holds more bytes than its blob (so that a small file can
         # never become a huge allocation): store overlapping views (expand, stride 0) as copies.
-        if any(s < 0 for s in t.stride()) or t.numel() * t.element_size() > t.untyped_storage().nbytes():
-            t = t.contiguous()
+        overlaps = t.numel() * t.element_size() > t.untyped_storage().nbytes()
+        if overlaps or any(s < 0 for s in t.stride()): t = t.contiguous()
         st = t.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
         blob = self.blobs.get(key)
