@@ -6,7 +6,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 CFLAGS_SAN := -std=c11 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
-CORE := csrc/format.c csrc/crc32c.c csrc/skip.c
+CORE := csrc/validate.c csrc/builder.c csrc/commit.c csrc/reader.c csrc/crc32c.c csrc/skip.c
+CORE_H := csrc/frk.h csrc/layout.h csrc/internal.h
 FUZZ_SECONDS ?= 60
 
 .PHONY: demo test build ctest fuzz pytest sysdeps bench clean
@@ -26,11 +27,11 @@ sysdeps:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-rt-dev >/dev/null || \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-rt-14-dev >/dev/null; }
 
-build/test_core: csrc/tests/test_core.c $(CORE) csrc/frk.h | sysdeps
+build/test_core: csrc/tests/test_core.c $(CORE) $(CORE_H) | sysdeps
 	mkdir -p build
 	clang $(CFLAGS_SAN) -Icsrc csrc/tests/test_core.c $(CORE) -o $@
 
-build/fuzz_reader: csrc/tests/fuzz_reader.c $(CORE) csrc/frk.h | sysdeps
+build/fuzz_reader: csrc/tests/fuzz_reader.c $(CORE) $(CORE_H) | sysdeps
 	mkdir -p build
 	clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Icsrc csrc/tests/fuzz_reader.c $(CORE) -o $@
 

@@ -43,8 +43,8 @@ static uint32_t raw_portable(uint32_t c, const unsigned char *p, size_t n)
     while (n >= 8) {
         uint64_t w = load_le64(p) ^ c;
         c = table[7][w & 0xff] ^ table[6][(w >> 8) & 0xff] ^ table[5][(w >> 16) & 0xff] ^
-            table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^
-            table[2][(w >> 40) & 0xff] ^ table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
+            table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^ table[2][(w >> 40) & 0xff] ^
+            table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
         p += 8;
         n -= 8;
     }
@@ -84,7 +84,7 @@ static void make_shift_table(uint32_t (*raw)(uint32_t, const unsigned char *, si
 #include <nmmintrin.h>
 #define HAVE_HW 1
 __attribute__((target("sse4.2"))) static uint32_t raw_hw(uint32_t c, const unsigned char *p,
-                                                          size_t n)
+                                                         size_t n)
 {
     while (n && ((uintptr_t)p & 7)) {
         c = _mm_crc32_u8(c, *p++);
@@ -126,8 +126,7 @@ static int cpu_has_hw(void)
 #define HWCAP_CRC32 (1 << 7)
 #endif
 #define HAVE_HW 1
-__attribute__((target("+crc"))) static uint32_t raw_hw(uint32_t c, const unsigned char *p,
-                                                        size_t n)
+__attribute__((target("+crc"))) static uint32_t raw_hw(uint32_t c, const unsigned char *p, size_t n)
 {
     while (n && ((uintptr_t)p & 7)) {
         c = __crc32cb(c, *p++);

@@ -31,7 +31,7 @@ typedef enum {
     FRK_ECORRUPT = -1, /* the file is not a valid checkpoint */
     FRK_EIO = -2,      /* the operating system refused (errno in err->sys_errno) */
     FRK_ENOMEM = -3,
-    FRK_EINVAL = -4,   /* the caller asked for something impossible */
+    FRK_EINVAL = -4, /* the caller asked for something impossible */
 } frk_status;
 
 typedef struct {
@@ -70,12 +70,26 @@ typedef enum { FRK_KIND_TORCH = 0, FRK_KIND_NUMPY = 1 } frk_kind;
 /* Element types. The numbering is part of the format: never renumber. */
 typedef enum {
     FRK_DT_BOOL = 0,
-    FRK_DT_U8 = 1, FRK_DT_I8 = 2, FRK_DT_I16 = 3, FRK_DT_I32 = 4, FRK_DT_I64 = 5,
-    FRK_DT_U16 = 6, FRK_DT_U32 = 7, FRK_DT_U64 = 8,
-    FRK_DT_F16 = 9, FRK_DT_BF16 = 10, FRK_DT_F32 = 11, FRK_DT_F64 = 12,
-    FRK_DT_C32 = 13, FRK_DT_C64 = 14, FRK_DT_C128 = 15,
-    FRK_DT_F8_E4M3FN = 16, FRK_DT_F8_E5M2 = 17, FRK_DT_F8_E4M3FNUZ = 18,
-    FRK_DT_F8_E5M2FNUZ = 19, FRK_DT_F8_E8M0FNU = 20,
+    FRK_DT_U8 = 1,
+    FRK_DT_I8 = 2,
+    FRK_DT_I16 = 3,
+    FRK_DT_I32 = 4,
+    FRK_DT_I64 = 5,
+    FRK_DT_U16 = 6,
+    FRK_DT_U32 = 7,
+    FRK_DT_U64 = 8,
+    FRK_DT_F16 = 9,
+    FRK_DT_BF16 = 10,
+    FRK_DT_F32 = 11,
+    FRK_DT_F64 = 12,
+    FRK_DT_C32 = 13,
+    FRK_DT_C64 = 14,
+    FRK_DT_C128 = 15,
+    FRK_DT_F8_E4M3FN = 16,
+    FRK_DT_F8_E5M2 = 17,
+    FRK_DT_F8_E4M3FNUZ = 18,
+    FRK_DT_F8_E5M2FNUZ = 19,
+    FRK_DT_F8_E8M0FNU = 20,
     FRK_DT_COUNT = 21
 } frk_dtype;
 
@@ -89,8 +103,8 @@ typedef struct {
 } frk_blob;
 
 typedef struct {
-    uint8_t kind;            /* frk_kind */
-    uint8_t dtype;           /* frk_dtype */
+    uint8_t kind;  /* frk_kind */
+    uint8_t dtype; /* frk_dtype */
     uint16_t ndim;
     uint64_t blob;           /* index into the blob table */
     uint64_t storage_offset; /* in elements, from the blob's start */
@@ -102,8 +116,8 @@ typedef struct {
  * their children (a dict by key, value, key, value, ...); `next` is the index
  * of the node after the whole subtree, so a reader can skip it. */
 typedef struct {
-    uint8_t tag;      /* frk_tag */
-    uint64_t count;   /* items of list/tuple, pairs of dict, bytes of str/bytes, tensor index */
+    uint8_t tag;    /* frk_tag */
+    uint64_t count; /* items of list/tuple, pairs of dict, bytes of str/bytes, tensor index */
     int64_t ival;
     double fval;
     const uint8_t *data; /* str/bytes payload, inside the index */
@@ -119,8 +133,8 @@ void frk_builder_free(frk_builder *b);
 
 /* Registers len bytes at data as a blob; the memory must stay valid and
  * unchanged until commit returns.  *idx receives the blob's index. */
-int frk_builder_add_blob(frk_builder *b, const void *data, uint64_t len,
-                         uint64_t *idx, frk_error *err);
+int frk_builder_add_blob(frk_builder *b, const void *data, uint64_t len, uint64_t *idx,
+                         frk_error *err);
 int frk_builder_add_tensor(frk_builder *b, unsigned kind, unsigned dtype, uint64_t blob,
                            uint64_t storage_offset, unsigned ndim, const int64_t *sizes,
                            const int64_t *strides, uint64_t *idx, frk_error *err);
@@ -140,15 +154,19 @@ int frk_builder_put_tensor(frk_builder *b, uint64_t tensor, frk_error *err);
  * over path, then the directory fsynced.  On any failure the temporary file
  * is removed and whatever was at path before is untouched.  Safe to call
  * without the GIL: touches no Python state.  *written receives the file size. */
-int frk_builder_commit(frk_builder *b, const char *path, unsigned flags,
-                       uint64_t *written, frk_error *err);
+int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
+                       frk_error *err);
 
 /* ---- reader --------------------------------------------------------------- */
 
 typedef struct frk_reader frk_reader;
 
-/* Maps path privately (copy-on-write, writable).  Free with frk_unmap. */
+/* Maps path privately (copy-on-write, writable).  Free with frk_unmap.  The
+ * mapping still reads the file: truncating that inode later faults (SIGBUS). */
 int frk_map_file(const char *path, uint8_t **base, size_t *len, frk_error *err);
+/* Reads path whole into fresh anonymous memory of the process's own: nothing
+ * done to the file afterwards can reach it.  Free with frk_unmap. */
+int frk_read_file(const char *path, uint8_t **base, size_t *len, frk_error *err);
 void frk_unmap(uint8_t *base, size_t len);
 
 /* True if the first bytes are this format's magic. */
@@ -157,8 +175,7 @@ int frk_has_magic(const void *data, size_t len);
 /* Validates a checkpoint image and decodes its index.  The reader borrows
  * data: keep it mapped while the reader or anything derived from it lives.
  * verify != 0 also checks every blob's CRC32C (the index's is always checked). */
-int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **out,
-                    frk_error *err);
+int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **out, frk_error *err);
 void frk_reader_free(frk_reader *r);
 
 uint32_t frk_reader_version(const frk_reader *r);

@@ -2,9 +2,9 @@
  *
  * Writer  encodes a value tree (driven from Python) and commits it, with the
  *         GIL released, in this thread or in a background thread of its own.
- * Mapping a private copy-on-write mapping of a checkpoint that exports its
- *         bytes through the buffer protocol; it cannot be closed while a view
- *         (and so a loaded tensor) is alive.
+ * Mapping a checkpoint's bytes, exported through the buffer protocol: read
+ *         into memory of the process's own, or mapped privately (copy on
+ *         write); it cannot be closed while a view (a loaded tensor) is alive.
  * Reader  the validated index of a Mapping; builds the Python value tree.
  * SkipToIter  the resume state machine of csrc/skip.c.
  */
@@ -15,6 +15,9 @@
 #include <stdatomic.h>
 
 #include "frk.h"
+
+/* Below this many bytes the checksum costs less than releasing the GIL (zlib's choice). */
+#define CRC_GIL_THRESHOLD (5 * 1024)
 
 typedef struct {
     PyObject *CheckpointError;
@@ -32,42 +35,49 @@ static int no_arguments(const char *name, PyObject *args, PyObject *kw)
     return 1;
 }
 
-/* Raises the Python exception that matches a failed frk call. */
+/* Raises the Python exception that matches a failed frk call.  The message may hold a path in
+ * any bytes (not UTF-8, or cut by the buffer's size): undecodable bytes are shown as \xNN escapes,
+ * so that reporting an error can never itself fail. */
 static PyObject *raise_frk(core_state *st, const frk_error *err)
 {
-    switch (err->status) {
-    case FRK_ECORRUPT:
-        PyErr_SetString(st->CheckpointError, err->msg);
-        break;
-    case FRK_EIO: {
-        PyObject *e = PyObject_CallFunction(PyExc_OSError, "is", err->sys_errno, err->msg);
+    if (err->status == FRK_ENOMEM)
+        return PyErr_NoMemory();
+    PyObject *msg = PyUnicode_DecodeUTF8(err->msg, (Py_ssize_t)strnlen(err->msg, sizeof err->msg),
+                                         "backslashreplace");
+    if (!msg)
+        return NULL;
+    if (err->status == FRK_EIO) {
+        PyObject *e = PyObject_CallFunction(PyExc_OSError, "iO", err->sys_errno, msg);
         if (e) {
             PyErr_SetObject((PyObject *)Py_TYPE(e), e);
             Py_DECREF(e);
         }
-        break;
+    } else {
+        PyErr_SetObject(err->status == FRK_ECORRUPT ? st->CheckpointError : PyExc_ValueError, msg);
     }
-    case FRK_ENOMEM:
-        PyErr_NoMemory();
-        break;
-    default:
-        PyErr_SetString(PyExc_ValueError, err->msg);
-    }
+    Py_DECREF(msg);
     return NULL;
 }
 
 /* ---- Writer ----------------------------------------------------------------- */
+
+typedef enum {
+    WRITER_OPEN,       /* values may be added */
+    WRITER_COMMITTING, /* commit() runs without the GIL */
+    WRITER_IN_FLIGHT,  /* commit_async()'s thread runs */
+    WRITER_DONE,
+} writer_phase;
 
 typedef struct {
     PyObject_HEAD
     frk_builder *b;
     Py_buffer *views;
     Py_ssize_t n_views, cap_views;
-    /* background commit */
+    writer_phase phase;
+    /* Held by the thread that joins the background commit: two threads may wait() at once. */
+    PyThread_type_lock join_lock;
     pthread_t thread;
-    int thread_started;
     atomic_int thread_done;
-    int committed;
     char *path;
     unsigned flags;
     uint64_t written;
@@ -75,13 +85,21 @@ typedef struct {
     frk_error err;
 } WriterObject;
 
-static int writer_busy(WriterObject *w)
+/* True while values may still be added; otherwise raises. */
+static int writer_open(WriterObject *w)
 {
-    if (w->thread_started || w->committed) {
-        PyErr_SetString(PyExc_RuntimeError, "this Writer has already been committed");
+    if (w->phase == WRITER_OPEN)
         return 1;
-    }
+    PyErr_SetString(PyExc_RuntimeError, "this Writer has already been committed");
     return 0;
+}
+
+/* None, or the exception of a failed frk call. */
+static PyObject *writer_status(WriterObject *w, int rc, const frk_error *err)
+{
+    if (rc != FRK_OK)
+        return raise_frk(state_of_type(Py_TYPE(w)), err);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kw)
@@ -92,7 +110,8 @@ static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (!w)
         return NULL;
     w->b = frk_builder_new();
-    if (!w->b) {
+    w->join_lock = PyThread_allocate_lock();
+    if (!w->b || !w->join_lock) {
         Py_DECREF(w);
         return PyErr_NoMemory();
     }
@@ -101,13 +120,18 @@ static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 
 static void writer_join(WriterObject *w)
 {
-    if (w->thread_started) {
+    if (!PyThread_acquire_lock(w->join_lock, NOWAIT_LOCK)) {
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(w->join_lock, WAIT_LOCK);
+        Py_END_ALLOW_THREADS
+    }
+    if (w->phase == WRITER_IN_FLIGHT) {
         Py_BEGIN_ALLOW_THREADS
         pthread_join(w->thread, NULL);
         Py_END_ALLOW_THREADS
-        w->thread_started = 0;
-        w->committed = 1;
+        w->phase = WRITER_DONE;
     }
+    PyThread_release_lock(w->join_lock);
 }
 
 static void writer_release_views(WriterObject *w)
@@ -122,7 +146,10 @@ static void writer_release_views(WriterObject *w)
 static void Writer_dealloc(WriterObject *w)
 {
     PyTypeObject *tp = Py_TYPE(w);
-    writer_join(w);
+    if (w->join_lock) {
+        writer_join(w);
+        PyThread_free_lock(w->join_lock);
+    }
     writer_release_views(w);
     frk_builder_free(w->b);
     PyMem_Free(w->path);
@@ -130,19 +157,9 @@ static void Writer_dealloc(WriterObject *w)
     Py_DECREF(tp);
 }
 
-#define WRITER_CALL(expr)                                                                   \
-    do {                                                                                    \
-        frk_error err_;                                                                     \
-        if (writer_busy(w))                                                                 \
-            return NULL;                                                                    \
-        if ((expr) != FRK_OK)                                                               \
-            return raise_frk(state_of_type(Py_TYPE(w)), &err_);                             \
-    } while (0)
-#define ERR (&err_)
-
 static PyObject *Writer_add_blob(WriterObject *w, PyObject *obj)
 {
-    if (writer_busy(w))
+    if (!writer_open(w))
         return NULL;
     if (w->n_views == w->cap_views) {
         Py_ssize_t cap = w->cap_views ? w->cap_views * 2 : 16;
@@ -205,28 +222,35 @@ static PyObject *Writer_add_tensor(WriterObject *w, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "sizes and strides differ in length");
         return NULL;
     }
+    if (!writer_open(w))
+        return NULL;
     uint64_t idx;
-    WRITER_CALL(frk_builder_add_tensor(w->b, kind, dtype, blob, offset, (unsigned)nd, sizes,
-                                       strides, &idx, ERR));
+    frk_error err;
+    if (frk_builder_add_tensor(w->b, kind, dtype, blob, offset, (unsigned)nd, sizes, strides, &idx,
+                               &err))
+        return raise_frk(state_of_type(Py_TYPE(w)), &err);
     return PyLong_FromUnsignedLongLong(idx);
 }
 
-static PyObject *Writer_none(WriterObject *w, PyObject *Py_UNUSED(a))
+static PyObject *Writer_put_none(WriterObject *w, PyObject *Py_UNUSED(a))
 {
-    WRITER_CALL(frk_builder_put_scalar(w->b, FRK_TAG_NONE, ERR));
-    Py_RETURN_NONE;
+    if (!writer_open(w))
+        return NULL;
+    frk_error err;
+    return writer_status(w, frk_builder_put_scalar(w->b, FRK_TAG_NONE, &err), &err);
 }
 
-static PyObject *Writer_bool(WriterObject *w, PyObject *v)
+static PyObject *Writer_put_bool(WriterObject *w, PyObject *v)
 {
     int t = PyObject_IsTrue(v);
-    if (t < 0)
+    if (t < 0 || !writer_open(w))
         return NULL;
-    WRITER_CALL(frk_builder_put_scalar(w->b, t ? FRK_TAG_TRUE : FRK_TAG_FALSE, ERR));
-    Py_RETURN_NONE;
+    frk_error err;
+    return writer_status(w, frk_builder_put_scalar(w->b, t ? FRK_TAG_TRUE : FRK_TAG_FALSE, &err),
+                         &err);
 }
 
-static PyObject *Writer_int(WriterObject *w, PyObject *v)
+static PyObject *Writer_put_int(WriterObject *w, PyObject *v)
 {
     int overflow;
     long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
@@ -236,67 +260,78 @@ static PyObject *Writer_int(WriterObject *w, PyObject *v)
         PyErr_SetString(PyExc_OverflowError, "int does not fit in 64 bits");
         return NULL;
     }
-    WRITER_CALL(frk_builder_put_int(w->b, x, ERR));
-    Py_RETURN_NONE;
+    if (!writer_open(w))
+        return NULL;
+    frk_error err;
+    return writer_status(w, frk_builder_put_int(w->b, x, &err), &err);
 }
 
-static PyObject *Writer_float(WriterObject *w, PyObject *v)
+static PyObject *Writer_put_float(WriterObject *w, PyObject *v)
 {
     double x = PyFloat_AsDouble(v);
-    if (x == -1.0 && PyErr_Occurred())
+    if ((x == -1.0 && PyErr_Occurred()) || !writer_open(w))
         return NULL;
-    WRITER_CALL(frk_builder_put_float(w->b, x, ERR));
-    Py_RETURN_NONE;
+    frk_error err;
+    return writer_status(w, frk_builder_put_float(w->b, x, &err), &err);
 }
 
-static PyObject *Writer_str(WriterObject *w, PyObject *v)
+static PyObject *Writer_put_str(WriterObject *w, PyObject *v)
 {
     Py_ssize_t n;
     const char *s = PyUnicode_AsUTF8AndSize(v, &n);
-    if (!s)
+    if (!s || !writer_open(w))
         return NULL;
-    WRITER_CALL(frk_builder_put_str(w->b, FRK_TAG_STR, s, (uint64_t)n, ERR));
-    Py_RETURN_NONE;
+    frk_error err;
+    return writer_status(w, frk_builder_put_str(w->b, FRK_TAG_STR, s, (uint64_t)n, &err), &err);
 }
 
-static PyObject *Writer_bytes(WriterObject *w, PyObject *v)
+static PyObject *Writer_put_bytes(WriterObject *w, PyObject *v)
 {
+    if (!writer_open(w))
+        return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(v, &view, PyBUF_SIMPLE) < 0)
         return NULL;
     frk_error err;
-    int rc = writer_busy(w) ? -100
-                            : frk_builder_put_str(w->b, FRK_TAG_BYTES, view.buf, (uint64_t)view.len,
-                                                  &err);
+    int rc = frk_builder_put_str(w->b, FRK_TAG_BYTES, view.buf, (uint64_t)view.len, &err);
     PyBuffer_Release(&view);
-    if (rc == -100)
-        return NULL;
-    if (rc)
-        return raise_frk(state_of_type(Py_TYPE(w)), &err);
-    Py_RETURN_NONE;
+    return writer_status(w, rc, &err);
 }
 
-static PyObject *writer_container(WriterObject *w, PyObject *v, frk_tag tag)
+static PyObject *writer_put_container(WriterObject *w, PyObject *v, frk_tag tag)
 {
     unsigned long long n = PyLong_AsUnsignedLongLong(v);
-    if (n == (unsigned long long)-1 && PyErr_Occurred())
+    if ((n == (unsigned long long)-1 && PyErr_Occurred()) || !writer_open(w))
         return NULL;
-    WRITER_CALL(frk_builder_put_container(w->b, tag, n, ERR));
-    Py_RETURN_NONE;
+    frk_error err;
+    return writer_status(w, frk_builder_put_container(w->b, tag, n, &err), &err);
 }
-static PyObject *Writer_list(WriterObject *w, PyObject *v) { return writer_container(w, v, FRK_TAG_LIST); }
-static PyObject *Writer_tuple(WriterObject *w, PyObject *v) { return writer_container(w, v, FRK_TAG_TUPLE); }
-static PyObject *Writer_dict(WriterObject *w, PyObject *v) { return writer_container(w, v, FRK_TAG_DICT); }
 
-static PyObject *Writer_tensor(WriterObject *w, PyObject *v)
+static PyObject *Writer_put_list(WriterObject *w, PyObject *v)
+{
+    return writer_put_container(w, v, FRK_TAG_LIST);
+}
+
+static PyObject *Writer_put_tuple(WriterObject *w, PyObject *v)
+{
+    return writer_put_container(w, v, FRK_TAG_TUPLE);
+}
+
+static PyObject *Writer_put_dict(WriterObject *w, PyObject *v)
+{
+    return writer_put_container(w, v, FRK_TAG_DICT);
+}
+
+static PyObject *Writer_put_tensor(WriterObject *w, PyObject *v)
 {
     unsigned long long i = PyLong_AsUnsignedLongLong(v);
-    if (i == (unsigned long long)-1 && PyErr_Occurred())
+    if ((i == (unsigned long long)-1 && PyErr_Occurred()) || !writer_open(w))
         return NULL;
-    WRITER_CALL(frk_builder_put_tensor(w->b, i, ERR));
-    Py_RETURN_NONE;
+    frk_error err;
+    return writer_status(w, frk_builder_put_tensor(w->b, i, &err), &err);
 }
 
+/* Parses commit's arguments into w->path and w->flags. */
 static int writer_prepare(WriterObject *w, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"path", "fsync", NULL};
@@ -305,7 +340,7 @@ static int writer_prepare(WriterObject *w, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|p", kwlist, PyUnicode_FSConverter, &path_o,
                                      &do_fsync))
         return -1;
-    if (writer_busy(w)) {
+    if (!writer_open(w)) {
         Py_DECREF(path_o);
         return -1;
     }
@@ -337,10 +372,11 @@ static PyObject *Writer_commit(WriterObject *w, PyObject *args, PyObject *kw)
 {
     if (writer_prepare(w, args, kw))
         return NULL;
+    w->phase = WRITER_COMMITTING; /* other threads may run meanwhile: they must not add */
     Py_BEGIN_ALLOW_THREADS
     w->rc = frk_builder_commit(w->b, w->path, w->flags, &w->written, &w->err);
     Py_END_ALLOW_THREADS
-    w->committed = 1;
+    w->phase = WRITER_DONE;
     return writer_result(w);
 }
 
@@ -363,13 +399,13 @@ static PyObject *Writer_commit_async(WriterObject *w, PyObject *args, PyObject *
         errno = e;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    w->thread_started = 1;
+    w->phase = WRITER_IN_FLIGHT;
     Py_RETURN_NONE;
 }
 
 static PyObject *Writer_wait(WriterObject *w, PyObject *Py_UNUSED(a))
 {
-    if (!w->thread_started) {
+    if (w->phase != WRITER_IN_FLIGHT) {
         PyErr_SetString(PyExc_RuntimeError, "no background commit is in flight");
         return NULL;
     }
@@ -379,32 +415,46 @@ static PyObject *Writer_wait(WriterObject *w, PyObject *Py_UNUSED(a))
 
 static PyObject *Writer_get_done(WriterObject *w, void *Py_UNUSED(c))
 {
-    return PyBool_FromLong(w->committed || atomic_load(&w->thread_done));
+    return PyBool_FromLong(w->phase == WRITER_DONE || atomic_load(&w->thread_done));
 }
 
+#define PUT_DOC(name, arg, what) #name "($self, " #arg ", /)\n--\n\n" what
 static PyMethodDef Writer_methods[] = {
     {"add_blob", (PyCFunction)Writer_add_blob, METH_O,
-     "add_blob(buffer) -> index. The buffer is held, not copied, until the commit ends."},
+     "add_blob($self, buffer, /)\n--\n\n"
+     "Register buffer's bytes as a blob; returns its index. The buffer is held, not copied, "
+     "until the commit ends."},
     {"add_tensor", (PyCFunction)Writer_add_tensor, METH_VARARGS,
-     "add_tensor(kind, dtype, blob, storage_offset, sizes, strides) -> index"},
-    {"none", (PyCFunction)Writer_none, METH_NOARGS, NULL},
-    {"bool", (PyCFunction)Writer_bool, METH_O, NULL},
-    {"int", (PyCFunction)Writer_int, METH_O, NULL},
-    {"float", (PyCFunction)Writer_float, METH_O, NULL},
-    {"str", (PyCFunction)Writer_str, METH_O, NULL},
-    {"bytes", (PyCFunction)Writer_bytes, METH_O, NULL},
-    {"list", (PyCFunction)Writer_list, METH_O, "list(n): a list of the next n values"},
-    {"tuple", (PyCFunction)Writer_tuple, METH_O, NULL},
-    {"dict", (PyCFunction)Writer_dict, METH_O, "dict(n): n (key, value) pairs follow"},
-    {"tensor", (PyCFunction)Writer_tensor, METH_O, "tensor(index): a reference to a tensor"},
+     "add_tensor($self, kind, dtype, blob, storage_offset, sizes, strides, /)\n--\n\n"
+     "Add a tensor entry (a strided view of blob); returns its index."},
+    {"put_none", (PyCFunction)Writer_put_none, METH_NOARGS,
+     "put_none($self, /)\n--\n\nAppend None to the value tree."},
+    {"put_bool", (PyCFunction)Writer_put_bool, METH_O, PUT_DOC(put_bool, v, "Append a bool.")},
+    {"put_int", (PyCFunction)Writer_put_int, METH_O,
+     PUT_DOC(put_int, v, "Append an int (64-bit).")},
+    {"put_float", (PyCFunction)Writer_put_float, METH_O, PUT_DOC(put_float, v, "Append a float.")},
+    {"put_str", (PyCFunction)Writer_put_str, METH_O, PUT_DOC(put_str, v, "Append a str.")},
+    {"put_bytes", (PyCFunction)Writer_put_bytes, METH_O,
+     PUT_DOC(put_bytes, v, "Append bytes (any bytes-like object).")},
+    {"put_list", (PyCFunction)Writer_put_list, METH_O,
+     PUT_DOC(put_list, n, "Append a list of the next n values.")},
+    {"put_tuple", (PyCFunction)Writer_put_tuple, METH_O,
+     PUT_DOC(put_tuple, n, "Append a tuple of the next n values.")},
+    {"put_dict", (PyCFunction)Writer_put_dict, METH_O,
+     PUT_DOC(put_dict, n, "Append a dict of the next n (key, value) pairs.")},
+    {"put_tensor", (PyCFunction)Writer_put_tensor, METH_O,
+     PUT_DOC(put_tensor, index, "Append a reference to tensor index.")},
     {"commit", (PyCFunction)(void (*)(void))Writer_commit, METH_VARARGS | METH_KEYWORDS,
-     "commit(path, fsync=True) -> bytes written. Atomic; the GIL is released."},
-    {"commit_async", (PyCFunction)(void (*)(void))Writer_commit_async,
-     METH_VARARGS | METH_KEYWORDS, "commit_async(path, fsync=True): commit in a C thread."},
+     "commit($self, /, path, fsync=True)\n--\n\n"
+     "Write the checkpoint atomically, with the GIL released; returns the bytes written."},
+    {"commit_async", (PyCFunction)(void (*)(void))Writer_commit_async, METH_VARARGS | METH_KEYWORDS,
+     "commit_async($self, /, path, fsync=True)\n--\n\nCommit in a C thread; see wait()."},
     {"wait", (PyCFunction)Writer_wait, METH_NOARGS,
-     "wait() -> bytes written: joins a background commit and raises its error."},
+     "wait($self, /)\n--\n\n"
+     "Join a background commit; returns the bytes written or raises its error."},
     {NULL},
 };
+#undef PUT_DOC
 
 static PyGetSetDef Writer_getset[] = {
     {"done", (getter)Writer_get_done, NULL, "True once the commit has finished", NULL},
@@ -416,12 +466,12 @@ static PyType_Slot Writer_slots[] = {
     {Py_tp_dealloc, Writer_dealloc},
     {Py_tp_methods, Writer_methods},
     {Py_tp_getset, Writer_getset},
-    {Py_tp_doc, "Writer(): encodes one checkpoint, then commits it atomically."},
+    {Py_tp_doc, "Writer()\n--\n\nEncodes one checkpoint, then commits it atomically."},
     {0, NULL},
 };
 
 static PyType_Spec Writer_spec = {"fastai_resume._core.Writer", sizeof(WriterObject), 0,
-                                  Py_TPFLAGS_DEFAULT, Writer_slots};
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Writer_slots};
 
 /* ---- Mapping ----------------------------------------------------------------- */
 
@@ -434,10 +484,11 @@ typedef struct {
 
 static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"path", NULL};
+    static char *kwlist[] = {"path", "copy", NULL};
     PyObject *path_o;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&:Mapping", kwlist, PyUnicode_FSConverter,
-                                     &path_o))
+    int copy = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$p:Mapping", kwlist, PyUnicode_FSConverter,
+                                     &path_o, &copy))
         return NULL;
     MappingObject *m = (MappingObject *)type->tp_alloc(type, 0);
     if (!m) {
@@ -447,7 +498,7 @@ static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     frk_error err;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = frk_map_file(PyBytes_AS_STRING(path_o), &m->base, &m->len, &err);
+    rc = (copy ? frk_read_file : frk_map_file)(PyBytes_AS_STRING(path_o), &m->base, &m->len, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(path_o);
     if (rc) {
@@ -502,7 +553,8 @@ static PyObject *Mapping_get_exports(MappingObject *m, void *Py_UNUSED(c))
 }
 
 static PyMethodDef Mapping_methods[] = {
-    {"close", (PyCFunction)Mapping_close, METH_NOARGS, "Unmap; refused while views are alive."},
+    {"close", (PyCFunction)Mapping_close, METH_NOARGS,
+     "close($self, /)\n--\n\nFree the memory; refused while views are alive."},
     {NULL},
 };
 static PyGetSetDef Mapping_getset[] = {
@@ -517,11 +569,14 @@ static PyType_Slot Mapping_slots[] = {
     {Py_tp_getset, Mapping_getset},
     {Py_bf_getbuffer, Mapping_getbuffer},
     {Py_bf_releasebuffer, Mapping_releasebuffer},
-    {Py_tp_doc, "Mapping(path): a private copy-on-write mapping of a file."},
+    {Py_tp_doc, "Mapping(path, *, copy=False)\n--\n\n"
+                "A checkpoint file's bytes, exported through the buffer protocol: a private\n"
+                "copy-on-write mapping of the file, or with copy=True the file read whole into\n"
+                "memory of the process's own (what later happens to the file cannot reach it)."},
     {0, NULL},
 };
 static PyType_Spec Mapping_spec = {"fastai_resume._core.Mapping", sizeof(MappingObject), 0,
-                                   Py_TPFLAGS_DEFAULT, Mapping_slots};
+                                   Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Mapping_slots};
 
 /* ---- Reader ------------------------------------------------------------------- */
 
@@ -650,7 +705,8 @@ static PyObject *build(ReaderObject *ro, const frk_node *nodes, size_t *i, PyObj
     case FRK_TAG_LIST:
     case FRK_TAG_TUPLE: {
         int is_list = nd->tag == FRK_TAG_LIST;
-        PyObject *c = is_list ? PyList_New((Py_ssize_t)nd->count) : PyTuple_New((Py_ssize_t)nd->count);
+        PyObject *c =
+            is_list ? PyList_New((Py_ssize_t)nd->count) : PyTuple_New((Py_ssize_t)nd->count);
         for (uint64_t k = 0; c && k < nd->count; k++) {
             PyObject *v = build(ro, nodes, i, make_tensor);
             if (!v) {
@@ -703,9 +759,14 @@ static PyObject *Reader_verify_blob(ReaderObject *ro, PyObject *v)
         return NULL;
     frk_error err;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = frk_reader_verify_blob(ro->r, i, &err);
-    Py_END_ALLOW_THREADS
+    const frk_blob *blob = frk_reader_blob(ro->r, i);
+    if (blob && blob->length >= CRC_GIL_THRESHOLD) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = frk_reader_verify_blob(ro->r, i, &err);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = frk_reader_verify_blob(ro->r, i, &err);
+    }
     if (rc)
         return raise_frk(state_of_type(Py_TYPE(ro)), &err);
     Py_RETURN_NONE;
@@ -717,12 +778,16 @@ static PyObject *Reader_get_version(ReaderObject *ro, void *Py_UNUSED(c))
 }
 
 static PyMethodDef Reader_methods[] = {
-    {"blobs", (PyCFunction)Reader_blobs, METH_NOARGS, "[(offset, length, crc32c)]"},
+    {"blobs", (PyCFunction)Reader_blobs, METH_NOARGS,
+     "blobs($self, /)\n--\n\nThe blob table: [(offset, length, crc32c)]."},
     {"tensors", (PyCFunction)Reader_tensors, METH_NOARGS,
-     "[(kind, dtype, blob, storage_offset, sizes, strides)]"},
+     "tensors($self, /)\n--\n\n"
+     "The tensor table: [(kind, dtype, blob, storage_offset, sizes, strides)]."},
     {"tree", (PyCFunction)Reader_tree, METH_O,
-     "tree(make_tensor) -> the value tree; make_tensor(i) builds tensor i"},
-    {"verify_blob", (PyCFunction)Reader_verify_blob, METH_O, "verify_blob(i): check its CRC32C"},
+     "tree($self, make_tensor, /)\n--\n\n"
+     "The value tree; make_tensor(i) builds tensor i (called once per reference)."},
+    {"verify_blob", (PyCFunction)Reader_verify_blob, METH_O,
+     "verify_blob($self, index, /)\n--\n\nCheck blob index's CRC32C."},
     {NULL},
 };
 static PyGetSetDef Reader_getset[] = {
@@ -734,11 +799,12 @@ static PyType_Slot Reader_slots[] = {
     {Py_tp_dealloc, Reader_dealloc},
     {Py_tp_methods, Reader_methods},
     {Py_tp_getset, Reader_getset},
-    {Py_tp_doc, "Reader(data, verify=True): validates a checkpoint image (a Mapping or bytes)."},
+    {Py_tp_doc, "Reader(data, verify=True)\n--\n\n"
+                "Validates a checkpoint image (a Mapping or bytes) and decodes its index."},
     {0, NULL},
 };
 static PyType_Spec Reader_spec = {"fastai_resume._core.Reader", sizeof(ReaderObject), 0,
-                                  Py_TPFLAGS_DEFAULT, Reader_slots};
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Reader_slots};
 
 /* ---- SkipToIter --------------------------------------------------------------- */
 
@@ -814,13 +880,20 @@ static PyObject *Skip_get_target(SkipObject *o, void *Py_UNUSED(c))
 }
 
 static PyMethodDef Skip_methods[] = {
-    {"arm", (PyCFunction)Skip_arm, METH_VARARGS, "arm(epoch, iter, n_epoch, n_iter)"},
-    {"disarm", (PyCFunction)Skip_disarm, METH_NOARGS, NULL},
+    {"arm", (PyCFunction)Skip_arm, METH_VARARGS,
+     "arm($self, epoch, iter, n_epoch, n_iter, /)\n--\n\n"
+     "Resume at (epoch, iter) in a fit of n_epoch epochs of n_iter batches."},
+    {"disarm", (PyCFunction)Skip_disarm, METH_NOARGS, "disarm($self, /)\n--\n\nEvery epoch runs."},
     {"before_epoch", (PyCFunction)Skip_before_epoch, METH_O,
-     "before_epoch(epoch) -> (action, rng_action, first_iter)"},
+     "before_epoch($self, epoch, /)\n--\n\n"
+     "At the start of each epoch: (action, rng_action, first_iter), with action one of\n"
+     "STEP_RUN, STEP_SKIP, STEP_RESUME and rng_action one of RNG_NONE, RNG_SAVED,\n"
+     "RNG_EPOCH_START."},
     {"take_rng", (PyCFunction)Skip_take_rng, METH_NOARGS,
-     "True exactly once, when the saved mid-epoch RNG state is due"},
-    {"after_epoch", (PyCFunction)Skip_after_epoch, METH_O, NULL},
+     "take_rng($self, /)\n--\n\n"
+     "True exactly once, when the saved mid-epoch RNG state is due."},
+    {"after_epoch", (PyCFunction)Skip_after_epoch, METH_O,
+     "after_epoch($self, epoch, /)\n--\n\nAt the end of each epoch that ran."},
     {NULL},
 };
 static PyGetSetDef Skip_getset[] = {
@@ -833,11 +906,11 @@ static PyType_Slot Skip_slots[] = {
     {Py_tp_dealloc, Skip_dealloc},
     {Py_tp_methods, Skip_methods},
     {Py_tp_getset, Skip_getset},
-    {Py_tp_doc, "SkipToIter(): the resume state machine (csrc/skip.c)."},
+    {Py_tp_doc, "SkipToIter()\n--\n\nThe resume state machine (csrc/skip.c)."},
     {0, NULL},
 };
 static PyType_Spec Skip_spec = {"fastai_resume._core.SkipToIter", sizeof(SkipObject), 0,
-                                Py_TPFLAGS_DEFAULT, Skip_slots};
+                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, Skip_slots};
 
 /* ---- module functions ------------------------------------------------------------ */
 
@@ -848,9 +921,13 @@ static PyObject *core_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
     if (!PyArg_ParseTuple(args, "y*|I:crc32c", &v, &crc))
         return NULL;
     uint32_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = frk_crc32c(crc, v.buf, (size_t)v.len);
-    Py_END_ALLOW_THREADS
+    if (v.len >= CRC_GIL_THRESHOLD) {
+        Py_BEGIN_ALLOW_THREADS
+        r = frk_crc32c(crc, v.buf, (size_t)v.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        r = frk_crc32c(crc, v.buf, (size_t)v.len);
+    }
     PyBuffer_Release(&v);
     return PyLong_FromUnsignedLong(r);
 }
@@ -886,37 +963,51 @@ static PyObject *core_dtype_size(PyObject *Py_UNUSED(m), PyObject *v)
 }
 
 static PyMethodDef core_methods[] = {
-    {"crc32c", core_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int"},
-    {"has_magic", core_has_magic, METH_O, "has_magic(head) -> bool: this format's magic bytes?"},
+    {"crc32c", core_crc32c, METH_VARARGS,
+     "crc32c($module, data, crc=0, /)\n--\n\nCRC32C of data, continuing from crc."},
+    {"has_magic", core_has_magic, METH_O,
+     "has_magic($module, head, /)\n--\n\nTrue if head starts with this format's magic bytes."},
     {"skip_plan", core_skip_plan, METH_VARARGS,
-     "skip_plan(has_saved, saved_epoch, saved_iter, start_epoch, start_iter) -> (epoch, iter) "
-     "or None; negative start values mean not given"},
-    {"dtype_size", core_dtype_size, METH_O, "dtype_size(code) -> bytes per element (0: unknown)"},
+     "skip_plan($module, has_saved, saved_epoch, saved_iter, start_epoch, start_iter, /)\n--\n\n"
+     "The (epoch, iter) a fit resumes at, or None when it runs from the start; negative start\n"
+     "values mean not given."},
+    {"dtype_size", core_dtype_size, METH_O,
+     "dtype_size($module, code, /)\n--\n\nBytes per element of a dtype code (0: unknown)."},
     {NULL},
 };
+
+/* A heap type of module m, added to it: a new reference, or NULL with an exception set. */
+static PyTypeObject *add_type(PyObject *m, PyType_Spec *spec)
+{
+    PyTypeObject *t = (PyTypeObject *)PyType_FromModuleAndSpec(m, spec, NULL);
+    if (t && PyModule_AddType(m, t) < 0)
+        Py_CLEAR(t);
+    return t;
+}
 
 static int core_exec(PyObject *m)
 {
     core_state *st = PyModule_GetState(m);
     st->CheckpointError = PyErr_NewExceptionWithDoc(
         "fastai_resume.CheckpointError",
-        "A checkpoint file is damaged, truncated, hostile or not a checkpoint.",
-        PyExc_ValueError, NULL);
+        "A checkpoint file is damaged, truncated, hostile or not a checkpoint.", PyExc_ValueError,
+        NULL);
     if (!st->CheckpointError || PyModule_AddObjectRef(m, "CheckpointError", st->CheckpointError))
         return -1;
-#define ADD_TYPE(field, spec)                                                                \
-    st->field = (PyTypeObject *)PyType_FromModuleAndSpec(m, &spec, NULL);                   \
-    if (!st->field || PyModule_AddType(m, st->field))                                       \
+    if (!(st->Writer = add_type(m, &Writer_spec)) || !(st->Mapping = add_type(m, &Mapping_spec)) ||
+        !(st->Reader = add_type(m, &Reader_spec)) || !(st->SkipToIter = add_type(m, &Skip_spec)))
         return -1;
-    ADD_TYPE(Writer, Writer_spec);
-    ADD_TYPE(Mapping, Mapping_spec);
-    ADD_TYPE(Reader, Reader_spec);
-    ADD_TYPE(SkipToIter, Skip_spec);
-#undef ADD_TYPE
     if (PyModule_AddStringConstant(m, "crc32c_impl", frk_crc32c_impl()) ||
         PyModule_AddIntConstant(m, "FORMAT_VERSION", FRK_FORMAT_VERSION) ||
         PyModule_AddIntConstant(m, "BLOB_ALIGN", FRK_BLOB_ALIGN) ||
-        PyModule_AddIntConstant(m, "MAX_DEPTH", FRK_MAX_DEPTH))
+        PyModule_AddIntConstant(m, "MAX_DEPTH", FRK_MAX_DEPTH) ||
+        /* SkipToIter.before_epoch's answers (csrc/frk.h), so that Python never mirrors them */
+        PyModule_AddIntConstant(m, "STEP_RUN", FRK_SKIP_RUN) ||
+        PyModule_AddIntConstant(m, "STEP_SKIP", FRK_SKIP_SKIP) ||
+        PyModule_AddIntConstant(m, "STEP_RESUME", FRK_SKIP_RESUME) ||
+        PyModule_AddIntConstant(m, "RNG_NONE", FRK_RNG_NONE) ||
+        PyModule_AddIntConstant(m, "RNG_SAVED", FRK_RNG_SAVED) ||
+        PyModule_AddIntConstant(m, "RNG_EPOCH_START", FRK_RNG_EPOCH_START))
         return -1;
     return 0;
 }
@@ -951,9 +1042,15 @@ static PyModuleDef_Slot core_slots[] = {
 };
 
 static struct PyModuleDef core_module = {
-    PyModuleDef_HEAD_INIT, "fastai_resume._core",
+    PyModuleDef_HEAD_INIT,
+    "fastai_resume._core",
     "The C core of fastai_resume: checkpoint format, CRC32C, atomic commit, SkipToIter.",
-    sizeof(core_state), core_methods, core_slots, core_traverse, core_clear, core_free,
+    sizeof(core_state),
+    core_methods,
+    core_slots,
+    core_traverse,
+    core_clear,
+    core_free,
 };
 
 PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&core_module); }

@@ -6,6 +6,7 @@ plain trees (`state`), never in bytes.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Union
 
 import numpy as np
@@ -49,19 +50,19 @@ class _Encoder:
 
     def value(self, v: Any, path: str) -> None:
         w = self.w
-        if v is None: w.none()
-        elif v is True or v is False: w.bool(v)
+        if v is None: w.put_none()
+        elif v is True or v is False: w.put_bool(v)
         elif isinstance(v, int):
             if not _INT64[0] <= v <= _INT64[1]:
                 raise TypeError(f"{path or 'value'}: int {v} does not fit in 64 bits")
-            w.int(v)
-        elif isinstance(v, float): w.float(v)
-        elif isinstance(v, str): w.str(v)
-        elif isinstance(v, (bytes, bytearray)): w.bytes(v)
-        elif isinstance(v, torch.Tensor): w.tensor(self.torch_tensor(v, path))
-        elif isinstance(v, np.ndarray): w.tensor(self.numpy_array(v, path))
+            w.put_int(v)
+        elif isinstance(v, float): w.put_float(v)
+        elif isinstance(v, str): w.put_str(v)
+        elif isinstance(v, (bytes, bytearray)): w.put_bytes(v)
+        elif isinstance(v, torch.Tensor): w.put_tensor(self.torch_tensor(v, path))
+        elif isinstance(v, np.ndarray): w.put_tensor(self.numpy_array(v, path))
         elif isinstance(v, dict):
-            w.dict(len(v))
+            w.put_dict(len(v))
             for k, x in v.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise TypeError(f"{path or 'value'}: dict key {k!r} ({type(k).__name__}) is not "
@@ -69,7 +70,7 @@ class _Encoder:
                 self.value(k, path)
                 self.value(x, f"{path}[{k!r}]")
         elif isinstance(v, (list, tuple)):
-            (w.tuple if isinstance(v, tuple) else w.list)(len(v))
+            (w.put_tuple if isinstance(v, tuple) else w.put_list)(len(v))
             for i, x in enumerate(v): self.value(x, f"{path}[{i}]")
         else:
             raise TypeError(f"{path or 'value'}: {type(v).__module__}.{type(v).__qualname__} is not "
@@ -87,17 +88,17 @@ class _Encoder:
         if t.is_conj(): t = t.resolve_conj()
         if t.is_neg(): t = t.resolve_neg()
         if t.device.type != "cpu": t = t.cpu()
-        if any(s < 0 for s in t.stride()): t = t.contiguous()
+        # The reader refuses a tensor that holds more bytes than its blob (so that a small file can
+        # never become a huge allocation): store overlapping views (expand, stride 0) as copies.
+        overlaps = t.numel() * t.element_size() > t.untyped_storage().nbytes()
+        if overlaps or any(s < 0 for s in t.stride()): t = t.contiguous()
         st = t.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
         blob = self.blobs.get(key)
         if blob is None:
-            if st.nbytes():
-                raw = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
-            else:
-                raw = b""
+            raw = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
             blob = self.blobs[key] = self.w.add_blob(raw)
-        idx = self.w.add_tensor(_TORCH, code, blob, t.storage_offset(), tuple(t.shape), t.stride())
+        idx = self.w.add_tensor(_TORCH, code, blob, int(t.storage_offset()), tuple(t.shape), t.stride())
         self.tensors[id(src)] = idx
         self.seen.append(src)
         return idx
@@ -139,8 +140,9 @@ def _decoder(mapping, reader):
     storages: dict = {}
     made: dict = {}
 
-    def make(i: int):
+    def make(i: int) -> Any:
         if i in made: return made[i]
+        t: Any
         kind, code, b, off, sizes, strides = tensors[i]
         o, n, _ = blobs[b]
         if kind == _TORCH:
@@ -164,14 +166,21 @@ def _decoder(mapping, reader):
     return make
 
 
-def load(path: PathLike, verify: bool = True) -> Any:
-    """Load a checkpoint saved by `save`: the value tree, with tensors as views over a private
-    copy-on-write mapping of the file (no copy; writing to them never changes the file).
+def load(path: PathLike, verify: bool = True, mmap: bool = False) -> Any:
+    """Load a checkpoint saved by `save`: the value tree, its tensors writable and the process's
+    own memory (the file is read whole into it, then verified): nothing done to the file
+    afterwards (replacing, deleting, truncating or rewriting it in place) can reach them.
+
+    `mmap=True` instead maps the file privately (copy-on-write) and returns tensors that are views
+    of the mapping: no copy, and pages are read only when touched. Caveat: the views still read the
+    file's inode, so truncating or rewriting that file in place while they live (`cp` or `truncate`
+    over it; an atomic replace such as `save` is safe) makes the process fault (SIGBUS) or see the
+    new bytes. Use it only for files nothing else writes.
 
     `verify=False` skips the blobs' checksums (never the index's). Any defect raises
     `CheckpointError`; no code from the file is ever run.
     """
-    m = _core.Mapping(os.fspath(path))
+    m = _core.Mapping(os.fspath(path), copy=not mmap)
     try:
         r = _core.Reader(m, verify=verify)
         return r.tree(_decoder(m, r))
@@ -180,11 +189,16 @@ def load(path: PathLike, verify: bool = True) -> Any:
 
 
 def is_checkpoint(path: PathLike) -> bool:
-    "True if the file starts with this format's magic bytes (the name is never looked at)."
+    """True if `path` is a regular file that starts with this format's magic bytes (the name is
+    never looked at). A FIFO or a device is not a checkpoint, and testing one never blocks."""
     try:
-        with open(path, "rb") as f: return _core.has_magic(f.read(8))
-    except (FileNotFoundError, IsADirectoryError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and _core.has_magic(os.pread(fd, 8, 0))
+    finally:
+        os.close(fd)
 
 
 def info(path: PathLike, verify: bool = True) -> dict:
@@ -194,8 +208,9 @@ def info(path: PathLike, verify: bool = True) -> dict:
         r = _core.Reader(m, verify=verify)
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
-    return {"version": r.version, "size": m.size, "blobs": r.blobs(), "tensors": r.tensors(),
-            "tree": r.tree(lambda i: _TensorRef(i, r.tensors()[i]))}
+    tensors = r.tensors()  # the table once: info must stay linear in the tensor count
+    return {"version": r.version, "size": m.size, "blobs": r.blobs(), "tensors": tensors,
+            "tree": r.tree(lambda i: _TensorRef(i, tensors[i]))}
 
 
 class _TensorRef:

@@ -40,10 +40,20 @@ def test_every_torch_dtype_round_trips_bitwise(dtype, tmp_path):
 def test_zero_dim_empty_and_noncontiguous_tensors_keep_shape_and_strides(tmp_path):
     base = torch.arange(24.0).reshape(4, 6)
     tree = {"scalar": torch.tensor(3.5), "empty": torch.empty(0, 7), "t": base.t(),
-            "slice": base[1:, ::2], "expanded": torch.ones(3, 1).expand(3, 4)}
+            "slice": base[1:, ::2], "rows_overlap_but_fit": base.view(-1).as_strided((3, 6), (6, 1), 6)}
     back = roundtrip(tree, tmp_path)
     for k, v in tree.items():
         assert torch.equal(v, back[k]) and back[k].shape == v.shape and back[k].stride() == v.stride(), k
+
+
+def test_an_expanded_tensor_is_stored_as_a_copy_and_round_trips_equal(tmp_path):
+    "A view holding more elements than its storage (expand: stride 0) is stored contiguous."
+    col = torch.arange(3.0).view(3, 1)
+    tree = {"expanded": col.expand(3, 1000), "broadcast": torch.tensor(7.0).expand(50, 50)}
+    back = roundtrip(tree, tmp_path)
+    for k, v in tree.items():
+        assert torch.equal(back[k], v) and back[k].shape == v.shape and back[k].is_contiguous(), k
+    assert (tmp_path / "t.frk").stat().st_size > 4 * (3 * 1000 + 50 * 50)  # the copies' bytes
 
 
 def test_shared_storage_stays_shared_like_tied_weights(tmp_path):
@@ -99,15 +109,54 @@ def test_unstorable_value_fails_at_save_naming_its_path(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_loaded_tensors_are_views_of_a_private_mapping_that_outlive_the_file(tmp_path):
+@pytest.mark.parametrize("mmap", [False, True])
+def test_loaded_tensors_outlive_their_file_and_writing_them_never_changes_it(tmp_path, mmap):
     p = tmp_path / "t.frk"
     fr.save({"w": torch.arange(1000.0)}, p)
-    w = fr.load(p)["w"]
-    os.remove(p)  # deleting (or replacing) the file is safe
+    w = fr.load(p, mmap=mmap)["w"]
+    os.remove(p)  # deleting (or atomically replacing) the file is safe in both modes
     fr.save({"w": torch.zeros(1000)}, p)
     assert w.sum().item() == sum(range(1000))
-    w += 1  # copy-on-write: the file is not changed
+    w += 1  # private memory (or copy-on-write): the file is not changed
     assert fr.load(p)["w"].sum().item() == 0
+
+
+CHANGED_FILE_CHILD = r"""
+import os, sys
+import numpy as np, torch
+import fastai_resume as fr
+p, mmap = sys.argv[1], sys.argv[2] == "1"
+tree = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.arange(7),
+        "n": np.arange(5000, dtype=np.int64), "view": None}
+tree["view"] = tree["w"][10:20]
+fr.save(tree, p)
+back = fr.load(p, mmap=mmap)
+os.truncate(p, 0)                        # truncate(1) over the loaded file,
+with open(p, "wb") as f:                 # then cp(1) other bytes into the same inode
+    f.write(b"\xff" * (1 << 20))
+ok = (torch.equal(back["w"], tree["w"]) and torch.equal(back["b"], tree["b"])
+      and np.array_equal(back["n"], tree["n"]) and torch.equal(back["view"], tree["view"]))
+back["w"] += 1; back["b"] += 1; back["n"] += 1
+ok = ok and back["w"][-1].item() == 300_000 and back["view"][0].item() == 11 and back["n"][-1] == 5000
+print("OK" if ok else "CHANGED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_loaded_memory_is_the_process_own_when_the_file_is_truncated_and_rewritten(tmp_path, mmap):
+    """load() reads the file into memory of its own: truncating or rewriting the loaded file in
+    place changes nothing. The control, mmap=True, shows the hazard that default avoids: the
+    views read the inode, and the process dies of SIGBUS (run in a child, so pytest survives)."""
+    import signal
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", CHANGED_FILE_CHILD, str(tmp_path / "t.frk"), str(int(mmap))],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+    if mmap:
+        assert r.returncode == -signal.SIGBUS, (r.returncode, r.stdout, r.stderr[-2000:])
+    else:
+        assert r.returncode == 0 and r.stdout.strip() == "OK", (r.returncode, r.stdout, r.stderr[-2000:])
 
 
 def test_mapping_refuses_to_close_while_a_view_is_alive(tmp_path):
@@ -174,3 +223,97 @@ def test_failed_commit_names_the_path_and_leaves_the_previous_file(tmp_path):
     with pytest.raises(TypeError):
         fr.save({"v": object()}, good)  # fails before anything is written
     assert fr.load(good) == {"v": 1} and os.listdir(tmp_path) == ["x.frk"]
+
+
+def test_info_builds_the_tensor_table_once_not_once_per_tensor(tmp_path, monkeypatch):
+    "info() (and so verify, inspect, autoresume) stays linear in the number of tensors."
+    p = tmp_path / "many.frk"
+    fr.save({f"t{i}": torch.full((i + 1,), float(i)) for i in range(50)}, p)
+    real, calls = _core.Reader, []
+
+    class CountingReader:  # the C type cannot be patched: wrap it
+        def __init__(self, *a, **kw): self.r = real(*a, **kw)
+        def tensors(self):
+            calls.append(1)
+            return self.r.tensors()
+        def __getattr__(self, name): return getattr(self.r, name)
+
+    monkeypatch.setattr(_core, "Reader", CountingReader)
+    info = fr.info(p)
+    assert len(calls) == 1
+    refs = info["tree"]
+    assert len(info["tensors"]) == 50 and [refs[f"t{i}"].index for i in range(50)] == list(range(50))
+    assert [tuple(refs[f"t{i}"].shape) for i in range(50)] == [(i + 1,) for i in range(50)]
+
+
+# ---- the binding itself --------------------------------------------------------------------------
+
+def test_every_core_function_method_and_type_has_a_signature():
+    import inspect
+    checked = []
+    for name, obj in vars(_core).items():
+        if name.startswith("_") or not callable(obj) or obj is _core.CheckpointError:
+            continue
+        checked.append(name)
+        inspect.signature(obj)  # raises ValueError where the docstring has no text signature
+        if isinstance(obj, type):
+            for mname, m in vars(obj).items():
+                if not mname.startswith("_") and callable(m):
+                    checked.append(f"{name}.{mname}")
+                    inspect.signature(getattr(obj, mname))
+    assert {"crc32c", "Writer", "Writer.put_int", "Writer.commit", "Mapping", "Reader.tree",
+            "SkipToIter.before_epoch", "skip_plan"} <= set(checked)
+    assert list(inspect.signature(_core.Mapping).parameters) == ["path", "copy"]
+    assert str(inspect.signature(_core.Writer.commit)) == "(self, /, path, fsync=True)"
+
+
+def test_core_types_are_immutable():
+    for t in (_core.Writer, _core.Mapping, _core.Reader, _core.SkipToIter):
+        with pytest.raises(TypeError):
+            t.extra = 1
+        assert not hasattr(t, "extra")
+
+
+def test_skip_actions_are_exposed_by_the_core_not_mirrored():
+    s = _core.SkipToIter()
+    s.arm(2, 5, 4, 10)
+    assert s.before_epoch(1) == (_core.STEP_SKIP, _core.RNG_NONE, 0)
+    assert s.before_epoch(2) == (_core.STEP_RESUME, _core.RNG_EPOCH_START, 5)
+    s.after_epoch(2)
+    assert s.before_epoch(3) == (_core.STEP_RUN, _core.RNG_NONE, 0)
+    s.arm(1, 0, 4, 10)
+    assert s.before_epoch(1) == (_core.STEP_RESUME, _core.RNG_SAVED, 0)
+    assert len({_core.STEP_RUN, _core.STEP_SKIP, _core.STEP_RESUME}) == 3
+    assert len({_core.RNG_NONE, _core.RNG_SAVED, _core.RNG_EPOCH_START}) == 3
+
+
+def test_two_threads_waiting_for_one_background_commit_both_get_its_result(tmp_path):
+    "wait() joins the C thread exactly once, however many Python threads wait for it."
+    import threading
+    big = torch.randn(1 << 22)  # 16 MB: the commit is still running when the waiters start
+    w = fr.io.encode({"w": big})
+    w.commit_async(str(tmp_path / "t.frk"))
+    results, start = [], threading.Barrier(3)
+
+    def waiter():
+        start.wait()
+        results.append(w.wait())
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for t in threads: t.start()
+    for t in threads: t.join(60)
+    assert len(results) == 3 and len(set(results)) == 1
+    assert results[0] == (tmp_path / "t.frk").stat().st_size and w.done
+    assert torch.equal(fr.load(tmp_path / "t.frk")["w"], big)
+    with pytest.raises(RuntimeError, match="already been committed"):
+        w.put_int(1)
+
+
+def test_a_writer_refuses_values_while_its_commit_runs_in_another_thread(tmp_path):
+    w = fr.io.encode({"w": torch.randn(1 << 22)})
+    w.commit_async(str(tmp_path / "t.frk"))
+    with pytest.raises(RuntimeError, match="already been committed"):
+        w.put_none()
+    w.wait()
+    with pytest.raises(RuntimeError, match="no background commit"):
+        w.wait()

@@ -4,7 +4,7 @@ so that a crash (a segfault, an abort) fails the test instead of the test run.
 * truncation at every byte offset of a real checkpoint, and 10,000 random bit flips over every
   checksum-covered byte, all raise CheckpointError (one subprocess each, looping);
 * hand-built hostile files with *valid* checksums (the index and footer are rebuilt and resealed
-  here, from the layout in csrc/format.c) are rejected by the structural checks, each with the
+  here, from the layout named in csrc/layout.h) are rejected by the structural checks, each with the
   message of the check that caught it; near-miss controls load;
 * pickle payloads (a torch.save file, pickle bytes inside str/bytes values, pickle behind our
   magic) are never unpickled: a marker file the payload would create never appears, while the
@@ -112,7 +112,7 @@ def crashed(rc, out):
         f"child exited with {rc}\n{out}"
 
 
-# ---- the byte layout (csrc/format.c), for building hostile files with valid checksums ------------
+# ---- the byte layout (csrc/layout.h, docs/FORMAT.md), for building hostile files with valid checksums
 
 MAGIC = b"\x89FRK\r\n\x1a\n"
 FOOT_MAGIC = b"FRKFOOT\n"
@@ -522,20 +522,21 @@ def hostile_cases():
         with_tensor(L, 2, sizes=[0, 1 << 62, 1 << 62], strides=[0, 0, 0]).seal(), ("corrupt", "impossible"))
     C["numpy_size1_dim_byte_stride_over_int64"] = (
         with_tensor(L, 2, sizes=[1, 6], strides=[1 << 62, 1]).seal(), ("corrupt", "impossible"))
-    C["control_broadcast_2^60_elements"] = (  # huge but buildable: loads as a stride-0 view
-        with_tensor(L, 0, sizes=[1 << 30, 1 << 30], strides=[0, 0]).seal(),
-        ("ok_tensor", ["w", [1 << 30, 1 << 30], [0, 0], None]))
+    # What a load materialises stays within the file: no tensor holds more bytes than its blob
+    # (a 2^27-element stride-0 tensor in a small file made fit() allocate until the process died).
+    C["stride_0_tensor_of_2^27_elements"] = (
+        with_tensor(L, 0, sizes=[1 << 27], strides=[0]).seal(),
+        ("corrupt", "tensor 0 holds 536870912 bytes of elements but its blob 0 stores 96"))
+    C["broadcast_2^60_elements"] = (with_tensor(L, 0, sizes=[1 << 30, 1 << 30], strides=[0, 0]).seal(),
+                                    ("corrupt", "may not be larger than its stored bytes"))
+    C["control_overlapping_rows_that_fit"] = (  # overlapping, but no more bytes than the blob: loads
+        with_tensor(L, 0, sizes=[4, 6], strides=[0, 1]).seal(),
+        ("ok_tensor", ["w", [4, 6], [0, 1], [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 4]))
     C["control_empty_with_huge_stride"] = (
         with_tensor(L, 2, sizes=[0, 6], strides=[(1 << 63) - 1, 1]).seal(),
         ("ok_tensor", ["n", [0, 6], None, []]))
     return C
 
-
-KNOWN_BUG = ("core bug: check_tensor (csrc/format.c) bounds the product of all sizes (a 0 size "
-             "hides the others) and not the byte strides, while NumPy counts the non-zero sizes x "
-             "itemsize and every stride x itemsize in int64: np.ndarray / np.empty raise ValueError, "
-             "not CheckpointError")
-XFAIL = set()
 
 HOSTILE_CHILD = r'''
 cases = json.loads(open(sys.argv[1]).read())
@@ -546,9 +547,9 @@ for name, path in cases:
         if name == "control_tensor_view_fits":
             t = v["w"]
             r = ["ok_tensor", ["w", list(t.shape), list(t.stride()), t.tolist()]]
-        elif name == "control_broadcast_2^60_elements":
+        elif name == "control_overlapping_rows_that_fit":
             t = v["w"]
-            r = ["ok_tensor", ["w", list(t.shape), list(t.stride()), None]]
+            r = ["ok_tensor", ["w", list(t.shape), list(t.stride()), t.tolist()]]
         elif name == "control_empty_with_huge_stride":
             t = v["n"]
             r = ["ok_tensor", ["n", list(t.shape), None, t.tolist()]]
@@ -588,9 +589,7 @@ def hostile_results(children):
     return rc, res, out, results, {name: p for name, p in listing}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUG)) if n in XFAIL else n
-    for n in _CASES])
+@pytest.mark.parametrize("name", list(_CASES))
 def test_hostile_file(name, hostile_results):
     rc, res, out, results, paths = hostile_results
     data, (want, detail) = _CASES[name]
@@ -780,6 +779,7 @@ except fr.CheckpointError as e:
     r = ["CheckpointError", str(e)]
 except BaseException as e:
     r = [type(e).__name__, str(e)]
+r.append(fr.is_checkpoint(sys.argv[1]))  # must not block either
 signal.alarm(0)
 emit(r)
 '''
@@ -796,9 +796,56 @@ def test_loading_a_fifo_fails_fast_instead_of_hanging(children, tmp_path):
     rc, res, out, _ = child.result()
     assert rc == 0, crashed(rc, out)  # -14: SIGALRM, the load blocked
     assert res[0] == "CheckpointError" and "not a regular file" in res[1] and str(ctx["fifo"]) in res[1]
+    assert res[2] is False  # is_checkpoint: a FIFO is not a checkpoint, and asking never blocks
     # control: a directory is refused the same way, at once, in this process
     with pytest.raises(fr.CheckpointError, match="not a regular file"):
         fr.load(tmp_path)
+    assert fr.is_checkpoint(tmp_path) is False
+
+
+def test_verify_command_skips_a_fifo_instead_of_hanging(tmp_path):
+    fifo = tmp_path / "ckpt.frk"
+    os.mkfifo(fifo)
+    fr.save({"x": 1}, tmp_path / "good.frk")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for target in (fifo, tmp_path):
+        r = subprocess.run([sys.executable, "-m", "fastai_resume", "verify", str(target)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+        assert f"SKIP {fifo}" in r.stdout or (target == tmp_path and "ckpt.frk" not in r.stdout)
+    assert f"OK   {tmp_path / 'good.frk'}" in r.stdout
+
+
+# ---- paths the error messages must survive ---------------------------------------------------------
+
+def test_a_non_utf8_path_in_an_error_is_escaped_not_a_unicode_error(tmp_path):
+    bad_dir = tmp_path / os.fsdecode(b"no-such-\xff\xfe-dir")
+    with pytest.raises(OSError) as e:
+        fr.save({"x": 1}, bad_dir / "x.frk")
+    assert e.value.errno == errno.ENOENT and "no-such-\\xff\\xfe-dir" in str(e.value)
+    with pytest.raises(OSError, match=r"no-such-\\xff\\xfe-dir"):
+        fr.load(bad_dir / "x.frk")
+
+
+@pytest.mark.parametrize("pad", range(4))
+def test_an_error_about_a_long_path_is_cut_between_characters(tmp_path, pad):
+    "The C message buffer is cut at a character boundary (4-byte characters: 3 in 4 cuts would split one)."
+    deep = tmp_path / ("x" * pad + "\U0001F600" * 60) / ("\U0001F600" * 60) / "x.frk"
+    with pytest.raises(OSError) as e:
+        fr.save({"x": 1}, deep)
+    msg = str(e.value)
+    assert e.value.errno in (errno.ENOENT, errno.ENAMETOOLONG) and msg.endswith("...")
+    assert "\U0001F600" * 10 in msg and "\\x" not in msg  # whole characters, none escaped
+
+
+def test_a_name_of_240_or_255_bytes_saves_and_loads(tmp_path):
+    "The temporary file's name must fit NAME_MAX (255) too: a long name gets a short one."
+    for n in (240, 255):
+        p = tmp_path / ("c" * (n - 4) + ".frk")
+        fr.save({"n": n, "t": torch.arange(3)}, p)
+        back = fr.load(p)
+        assert back["n"] == n and torch.equal(back["t"], torch.arange(3))
+    assert sorted(len(q.name) for q in tmp_path.iterdir()) == [240, 255]  # no temporary file left
 
 
 # ---- every child starts at once ---------------------------------------------------------------------------

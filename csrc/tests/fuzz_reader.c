@@ -12,6 +12,7 @@
  * aborts if a tensor's extent leaves its blob or a node's `next` is wrong.
  */
 #include "frk.h"
+#include "layout.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,29 +20,11 @@
 
 static volatile uint8_t sink;
 
-#define REQUIRE(c)                                                                         \
-    do {                                                                                   \
-        if (!(c))                                                                          \
-            abort();                                                                       \
+#define REQUIRE(c)                                                                                 \
+    do {                                                                                           \
+        if (!(c))                                                                                  \
+            abort();                                                                               \
     } while (0)
-
-static uint64_t rd64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
-    return v;
-}
-static void wr64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++, v >>= 8)
-        p[i] = (uint8_t)v;
-}
-static void wr32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++, v >>= 8)
-        p[i] = (uint8_t)v;
-}
 
 static void touch(const uint8_t *base, size_t len, uint64_t off, uint64_t n)
 {
@@ -81,6 +64,10 @@ static void walk(const uint8_t *data, size_t size, const frk_reader *r)
             REQUIRE(t->storage_offset <= b->length / item);
             continue;
         }
+        uint64_t logical = item; /* no tensor holds more bytes than its blob stores */
+        for (unsigned d = 0; d < t->ndim; d++)
+            REQUIRE(!__builtin_mul_overflow(logical, (uint64_t)t->sizes[d], &logical));
+        REQUIRE(logical <= b->length);
         for (unsigned d = 0; d < t->ndim; d++) {
             uint64_t step;
             REQUIRE(!__builtin_mul_overflow((uint64_t)(t->sizes[d] - 1), (uint64_t)t->strides[d],
@@ -165,28 +152,27 @@ static uint8_t *reseal_copy(const uint8_t *data, size_t size)
     if (!c)
         return NULL;
     memcpy(c, data, size);
-    static const uint8_t foot_magic[8] = {'F', 'R', 'K', 'F', 'O', 'O', 'T', '\n'};
     uint8_t *foot = c + size - FRK_FOOTER_SIZE;
-    memcpy(foot + 56, foot_magic, 8);
-    wr64(foot + 16, size);
-    uint64_t ioff = rd64(foot), isz = rd64(foot + 8);
+    memcpy(foot + FRK_FOOT_MAGIC, FRK_FOOTER_MAGIC, FRK_MAGIC_SIZE);
+    frk_put64(foot + FRK_FOOT_FILE_SIZE, size);
+    uint64_t ioff = frk_get64(foot + FRK_FOOT_INDEX_OFFSET);
     uint64_t data_end = size - FRK_FOOTER_SIZE;
     if (ioff <= data_end) {
-        isz = data_end - ioff; /* the index always runs to the footer */
-        wr64(foot + 8, isz);
+        uint64_t isz = data_end - ioff; /* the index always runs to the footer */
+        frk_put64(foot + FRK_FOOT_INDEX_SIZE, isz);
         uint8_t *ix = c + ioff;
-        if (isz >= 8) {
-            uint64_t nb = rd64(ix);
-            for (uint64_t i = 0; i < nb && i < (isz - 8) / 24; i++) {
-                uint8_t *e = ix + 8 + 24 * i;
-                uint64_t bo = rd64(e), bl = rd64(e + 8);
+        if (isz >= FRK_INDEX_WORD) {
+            uint64_t nb = frk_get64(ix);
+            for (uint64_t i = 0; i < nb && i < (isz - FRK_INDEX_WORD) / FRK_BLOB_ENTRY_SIZE; i++) {
+                uint8_t *e = ix + FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * i;
+                uint64_t bo = frk_get64(e + FRK_BLOB_OFFSET), bl = frk_get64(e + FRK_BLOB_LENGTH);
                 if (bo <= size && bl <= size - bo)
-                    wr32(e + 16, frk_crc32c(0, c + bo, (size_t)bl));
+                    frk_put32(e + FRK_BLOB_CRC, frk_crc32c(0, c + bo, (size_t)bl));
             }
         }
-        wr32(foot + 24, frk_crc32c(0, ix, (size_t)isz));
+        frk_put32(foot + FRK_FOOT_INDEX_CRC, frk_crc32c(0, ix, (size_t)isz));
     }
-    wr32(foot + 52, frk_crc32c(0, foot, 52));
+    frk_put32(foot + FRK_FOOT_CRC, frk_crc32c(0, foot, FRK_FOOT_CRC));
     return c;
 }
 

@@ -7,13 +7,15 @@
  *   test_core NAME...          run the tests whose name contains one of NAME
  *   test_core --write-seeds D  write small valid checkpoints into D (fuzz corpus)
  *
- * The hostile-file tests build images by hand from the byte layout of
- * csrc/format.c and re-seal them (index CRC, footer CRC, blob CRCs), so every
+ * The hostile-file tests build images by hand from the byte layout named in
+ * csrc/layout.h and re-seal them (index CRC, footer CRC, blob CRCs), so every
  * rejection they check is a structural check, not a checksum.  A valid image
  * from the same helper is opened first in each group as the negative control.
  */
 #define _GNU_SOURCE
 #include "frk.h"
+#include "internal.h" /* frk_utf8_valid */
+#include "layout.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -27,6 +29,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -103,6 +106,46 @@ static void note(const char *fmt, ...)
     va_end(ap);
 }
 
+/* ---- fault injection: this program's own open() and fsync() ---------------------- */
+
+/* The core calls open() and fsync() by name: these definitions take their place in this
+ * program (the sanitizers intercept neither), so that a test can make the directory's open or
+ * sync fail, and see the name of each file the core syncs. */
+static int fail_dir_open_errno, fail_dir_fsync_errno;
+static char last_synced_file[4096];
+
+int open(const char *path, int flags, ...)
+{
+    unsigned mode = 0;
+    if (flags & (O_CREAT | O_TMPFILE)) {
+        va_list ap;
+        va_start(ap, flags);
+        mode = va_arg(ap, unsigned);
+        va_end(ap);
+    }
+    if (fail_dir_open_errno && (flags & O_DIRECTORY)) {
+        errno = fail_dir_open_errno;
+        return -1;
+    }
+    return (int)syscall(SYS_openat, AT_FDCWD, path, flags, mode);
+}
+
+int fsync(int fd)
+{
+    struct stat st;
+    if (fstat(fd, &st) == 0 && S_ISDIR(st.st_mode) && fail_dir_fsync_errno) {
+        errno = fail_dir_fsync_errno;
+        return -1;
+    }
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+        char link[64];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(link, last_synced_file, sizeof last_synced_file - 1);
+        last_synced_file[n > 0 ? n : 0] = 0;
+    }
+    return (int)syscall(SYS_fsync, fd);
+}
+
 /* ---- small utilities --------------------------------------------------------- */
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
@@ -132,28 +175,6 @@ static void *dup_mem(const void *p, size_t n)
     if (n)
         memcpy(q, p, n);
     return q;
-}
-
-static uint64_t rd64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | p[i];
-    return v;
-}
-static uint32_t rd32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static void wr64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++, v >>= 8)
-        p[i] = (uint8_t)v;
-}
-static void wr32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++, v >>= 8)
-        p[i] = (uint8_t)v;
 }
 
 static char tmpdir[256];
@@ -245,13 +266,13 @@ static void bb_u8(bb *b, uint8_t v) { bb_put(b, &v, 1); }
 static void bb_u32(bb *b, uint32_t v)
 {
     uint8_t t[4];
-    wr32(t, v);
+    frk_put32(t, v);
     bb_put(b, t, 4);
 }
 static void bb_u64(bb *b, uint64_t v)
 {
     uint8_t t[8];
-    wr64(t, v);
+    frk_put64(t, v);
     bb_put(b, t, 8);
 }
 static void bb_free(bb *b)
@@ -275,10 +296,7 @@ static void t_str(bb *t, uint8_t tag, const void *s, size_t n)
 }
 static void t_cstr(bb *t, const char *s) { t_str(t, FRK_TAG_STR, s, strlen(s)); }
 
-/* ---- the format's constants, as the spec (csrc/format.c) states them ---------- */
-
-static const uint8_t PRE_MAGIC[8] = {0x89, 'F', 'R', 'K', '\r', '\n', 0x1a, '\n'};
-static const uint8_t FOOT_MAGIC[8] = {'F', 'R', 'K', 'F', 'O', 'O', 'T', '\n'};
+/* ---- re-sealing images (the layout's names: csrc/layout.h) ---------------------- */
 
 /* Recomputes the index CRC and the footer CRC of a whole image in place, from
  * the footer's own index_offset / index_size (which must lie inside).  Returns
@@ -288,11 +306,12 @@ static int reseal(uint8_t *img, size_t len)
     if (len < FRK_PREAMBLE_SIZE + FRK_FOOTER_SIZE)
         return -1;
     uint8_t *foot = img + len - FRK_FOOTER_SIZE;
-    uint64_t off = rd64(foot), size = rd64(foot + 8);
+    uint64_t off = frk_get64(foot + FRK_FOOT_INDEX_OFFSET);
+    uint64_t size = frk_get64(foot + FRK_FOOT_INDEX_SIZE);
     if (off > len || size > len - off)
         return -1;
-    wr32(foot + 24, frk_crc32c(0, img + off, (size_t)size));
-    wr32(foot + 52, frk_crc32c(0, foot, 52));
+    frk_put32(foot + FRK_FOOT_INDEX_CRC, frk_crc32c(0, img + off, (size_t)size));
+    frk_put32(foot + FRK_FOOT_CRC, frk_crc32c(0, foot, FRK_FOOT_CRC));
     return 0;
 }
 
@@ -301,16 +320,17 @@ static int reseal(uint8_t *img, size_t len)
 static void reseal_blobs(uint8_t *img, size_t len)
 {
     uint8_t *foot = img + len - FRK_FOOTER_SIZE;
-    uint64_t off = rd64(foot), size = rd64(foot + 8);
-    if (off > len || size > len - off || size < 8)
+    uint64_t off = frk_get64(foot + FRK_FOOT_INDEX_OFFSET);
+    uint64_t size = frk_get64(foot + FRK_FOOT_INDEX_SIZE);
+    if (off > len || size > len - off || size < FRK_INDEX_WORD)
         return;
     uint8_t *ix = img + off;
-    uint64_t nb = rd64(ix);
-    for (uint64_t i = 0; i < nb && 8 + 24 * (i + 1) <= size; i++) {
-        uint8_t *e = ix + 8 + 24 * i;
-        uint64_t bo = rd64(e), bl = rd64(e + 8);
+    uint64_t nb = frk_get64(ix);
+    for (uint64_t i = 0; i < nb && FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * (i + 1) <= size; i++) {
+        uint8_t *e = ix + FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * i;
+        uint64_t bo = frk_get64(e + FRK_BLOB_OFFSET), bl = frk_get64(e + FRK_BLOB_LENGTH);
         if (bo <= len && bl <= len - bo)
-            wr32(e + 16, frk_crc32c(0, img + bo, (size_t)bl));
+            frk_put32(e + FRK_BLOB_CRC, frk_crc32c(0, img + bo, (size_t)bl));
     }
     reseal(img, len);
 }
@@ -338,8 +358,8 @@ typedef struct {
 
 typedef struct {
     uint32_t pre_version, foot_version;
-    uint8_t pre_flag;  /* written at preamble byte 20 */
-    uint8_t foot_resv; /* written at footer byte 40 */
+    uint8_t pre_flag;  /* written in the preamble's reserved bytes */
+    uint8_t foot_resv; /* written in the footer's reserved bytes */
     int has_nb_claim;
     uint64_t nb_claim;
     size_t nb;
@@ -405,10 +425,10 @@ static uint8_t *hspec_image(const hspec *s, size_t *out_len)
     bb ix = {0};
     bb_u64(&ix, s->has_nb_claim ? s->nb_claim : s->nb);
     uint8_t data[H_DATA_END];
-    memcpy(data, PRE_MAGIC, 8);
-    wr32(data + 8, s->pre_version);
-    memset(data + 12, 0, FRK_PREAMBLE_SIZE - 12);
-    data[20] = s->pre_flag;
+    memcpy(data + FRK_PRE_MAGIC, FRK_PREAMBLE_MAGIC, FRK_MAGIC_SIZE);
+    frk_put32(data + FRK_PRE_VERSION, s->pre_version);
+    memset(data + FRK_PRE_RESERVED, 0, FRK_PREAMBLE_SIZE - FRK_PRE_RESERVED);
+    data[FRK_PRE_RESERVED + 8] = s->pre_flag;
     for (size_t i = FRK_PREAMBLE_SIZE; i < H_DATA_END; i++)
         data[i] = (uint8_t)(i * 37 + 11);
     for (size_t i = 0; i < s->nb; i++) {
@@ -447,14 +467,14 @@ static uint8_t *hspec_image(const hspec *s, size_t *out_len)
     memcpy(img + H_DATA_END, ix.p, ix.len);
     uint8_t *foot = img + H_DATA_END + ix.len;
     memset(foot, 0, FRK_FOOTER_SIZE);
-    wr64(foot, H_DATA_END + s->index_offset_delta);
-    wr64(foot + 8, ix.len);
-    wr64(foot + 16, (uint64_t)((int64_t)len + s->file_size_delta));
-    wr32(foot + 24, frk_crc32c(0, ix.p, ix.len));
-    wr32(foot + 28, s->foot_version);
-    foot[40] = s->foot_resv;
-    wr32(foot + 52, frk_crc32c(0, foot, 52));
-    memcpy(foot + 56, FOOT_MAGIC, 8);
+    frk_put64(foot + FRK_FOOT_INDEX_OFFSET, H_DATA_END + s->index_offset_delta);
+    frk_put64(foot + FRK_FOOT_INDEX_SIZE, ix.len);
+    frk_put64(foot + FRK_FOOT_FILE_SIZE, (uint64_t)((int64_t)len + s->file_size_delta));
+    frk_put32(foot + FRK_FOOT_INDEX_CRC, frk_crc32c(0, ix.p, ix.len));
+    frk_put32(foot + FRK_FOOT_VERSION, s->foot_version);
+    foot[FRK_FOOT_RESERVED + 8] = s->foot_resv;
+    frk_put32(foot + FRK_FOOT_CRC, frk_crc32c(0, foot, FRK_FOOT_CRC));
+    memcpy(foot + FRK_FOOT_MAGIC, FRK_FOOTER_MAGIC, FRK_MAGIC_SIZE);
     bb_free(&ix);
     *out_len = len;
     return img;
@@ -579,9 +599,10 @@ static void test_crc_hw_vs_portable(void)
                 bad += !CHECKF(0, "len %zu align %zu: hw %08x portable %08x", n, a, h, p);
         }
     /* lengths around the 3 x 4096-byte three-stream blocks, every alignment */
-    static const size_t edges[] = {8 * 1024,  12 * 1024 - 9, 12 * 1024 - 1, 12 * 1024,
+    static const size_t edges[] = {8 * 1024,      12 * 1024 - 9, 12 * 1024 - 1, 12 * 1024,
                                    12 * 1024 + 1, 12 * 1024 + 7, 12 * 1024 + 8, 24 * 1024 - 1,
-                                   24 * 1024, 24 * 1024 + 5, 36 * 1024 + 3, 65536, 100000};
+                                   24 * 1024,     24 * 1024 + 5, 36 * 1024 + 3, 65536,
+                                   100000};
     for (size_t e = 0; e < sizeof edges / sizeof *edges; e++)
         for (size_t a = 0; a < 16; a++) {
             size_t n = edges[e];
@@ -596,8 +617,8 @@ static void test_crc_hw_vs_portable(void)
         uint32_t c0 = (uint32_t)rnd();
         uint32_t h = frk_crc32c(c0, buf + a, n), p = frk_crc32c_portable(c0, buf + a, n);
         if (h != p)
-            bad += !CHECKF(0, "random len %zu align %zu crc0 %08x: hw %08x portable %08x", n, a,
-                           c0, h, p);
+            bad += !CHECKF(0, "random len %zu align %zu crc0 %08x: hw %08x portable %08x", n, a, c0,
+                           h, p);
     }
     /* a few MB at odd alignments */
     for (size_t a = 0; a < 8; a += 1) {
@@ -605,7 +626,7 @@ static void test_crc_hw_vs_portable(void)
         uint32_t h = frk_crc32c(0, buf + a, n), p = frk_crc32c_portable(0, buf + a, n);
         CHECKF(h == p, "%zu bytes at align %zu: hw %08x portable %08x", n, a, h, p);
     }
-    /* continuation: crc(crc(a), b) == crc(a + b), splits anywhere (inside three-stream blocks too) */
+    /* continuation: crc(crc(a), b) == crc(a + b), split anywhere (in three-stream blocks too) */
     for (int i = 0; i < 300; i++) {
         size_t n = i < 8 ? big - rnd_below(100) : rnd_below(200000), a = rnd_below(32);
         size_t cut = rnd_below(n + 1);
@@ -648,10 +669,10 @@ static int build_roundtrip(frk_builder *b, frk_error *err)
 {
     uint64_t b0, b1, b2, b3, t0, t1, t2, t3, t4;
     int rc = 0;
-#define TRY(x)                                                                             \
-    do {                                                                                   \
-        if ((rc = (x)) != FRK_OK)                                                          \
-            return rc;                                                                     \
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        if ((rc = (x)) != FRK_OK)                                                                  \
+            return rc;                                                                             \
     } while (0)
     TRY(frk_builder_add_blob(b, RT_F32, sizeof RT_F32, &b0, err));
     TRY(frk_builder_add_blob(b, RT_I64, sizeof RT_I64, &b1, err));
@@ -733,8 +754,7 @@ static size_t dict_get(const frk_node *nodes, size_t d, const char *key)
     for (uint64_t k = 0; k < nodes[d].count; k++) {
         const frk_node *kn = &nodes[i];
         size_t v = kn->next;
-        if (kn->tag == FRK_TAG_STR && kn->count == strlen(key) &&
-            !memcmp(kn->data, key, kn->count))
+        if (kn->tag == FRK_TAG_STR && kn->count == strlen(key) && !memcmp(kn->data, key, kn->count))
             return v;
         i = nodes[v].next;
     }
@@ -768,8 +788,10 @@ static void test_roundtrip(void)
     uint8_t *file = make_roundtrip_file(path, &flen);
     if (!file)
         return;
-    CHECK(flen >= 128 && !memcmp(file, PRE_MAGIC, 8) && !memcmp(file + flen - 8, FOOT_MAGIC, 8));
-    CHECK(rd32(file + 8) == FRK_FORMAT_VERSION);
+    CHECK(flen >= FRK_PREAMBLE_SIZE + FRK_FOOTER_SIZE &&
+          !memcmp(file + FRK_PRE_MAGIC, FRK_PREAMBLE_MAGIC, FRK_MAGIC_SIZE) &&
+          !memcmp(file + flen - FRK_MAGIC_SIZE, FRK_FOOTER_MAGIC, FRK_MAGIC_SIZE));
+    CHECK(frk_get32(file + FRK_PRE_VERSION) == FRK_FORMAT_VERSION);
     CHECK(frk_has_magic(file, flen) && !frk_has_magic(file + 1, flen - 1) &&
           !frk_has_magic(file, 7));
     free(file);
@@ -812,8 +834,8 @@ static void test_roundtrip(void)
     CHECK(frk_reader_tensor_count(r) == 5);
     if (frk_reader_tensor_count(r) == 5) {
         const frk_tensor *t = frk_reader_tensor(r, 0);
-        CHECK(t->kind == FRK_KIND_TORCH && t->dtype == FRK_DT_F32 && t->ndim == 2 &&
-              t->blob == 0 && t->storage_offset == 0 && t->sizes[0] == 2 && t->sizes[1] == 3 &&
+        CHECK(t->kind == FRK_KIND_TORCH && t->dtype == FRK_DT_F32 && t->ndim == 2 && t->blob == 0 &&
+              t->storage_offset == 0 && t->sizes[0] == 2 && t->sizes[1] == 3 &&
               t->strides[0] == 3 && t->strides[1] == 1);
         t = frk_reader_tensor(r, 1);
         CHECK(t->dtype == FRK_DT_F32 && t->ndim == 2 && t->sizes[0] == 3 && t->sizes[1] == 2 &&
@@ -823,8 +845,8 @@ static void test_roundtrip(void)
         memcpy(&v, base + frk_reader_blob(r, t->blob)->offset + 4 * (2 * 1 + 1 * 3), 4);
         CHECK(v == RT_F32[5]);
         t = frk_reader_tensor(r, 2);
-        CHECK(t->kind == FRK_KIND_NUMPY && t->dtype == FRK_DT_I64 && t->ndim == 2 &&
-              t->blob == 2 && t->sizes[0] == 0 && t->sizes[1] == 5);
+        CHECK(t->kind == FRK_KIND_NUMPY && t->dtype == FRK_DT_I64 && t->ndim == 2 && t->blob == 2 &&
+              t->sizes[0] == 0 && t->sizes[1] == 5);
         t = frk_reader_tensor(r, 3);
         CHECK(t->dtype == FRK_DT_U8 && t->ndim == 1 && t->blob == 3 && t->storage_offset == 1 &&
               t->sizes[0] == 2);
@@ -840,7 +862,8 @@ static void test_roundtrip(void)
     /* nodes */
     const frk_node *nd = frk_reader_nodes(r);
     size_t n = frk_reader_node_count(r);
-    /* 1 dict + 10 keys + int,int,float,str,bytes,none + tuple(2) + list(5) + dict(1)+key+list+list + str */
+    /* 1 dict + 10 keys + int, int, float, str, bytes, none + tuple(2) + list(5)
+     * + dict(1) + key + list + list + str */
     CHECKF(n == 1 + 10 + 6 + 3 + 6 + 4 + 1, "node count %zu", n);
     int ok = 1;
     CHECK(check_next(nd, n, 0, &ok) == n && ok);
@@ -941,13 +964,14 @@ static void test_builder_rejects(void)
     frk_builder *b = frk_builder_new();
     uint8_t buf[64] = {0};
     CHECK(frk_builder_add_blob(b, buf, sizeof buf, &idx, &err) == FRK_OK && idx == 0);
-    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_F32, 0, 0, 1, (int64_t[]){17}, (int64_t[]){1},
-                                 &idx, &err) == FRK_EINVAL &&
+    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_F32, 0, 0, 1, (int64_t[]){17}, (int64_t[]){1}, &idx,
+                                 &err) == FRK_EINVAL &&
           err.status == FRK_EINVAL && strstr(err.msg, "needs 68 bytes"));
-    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_F32, 0, 0, 1, (int64_t[]){16}, (int64_t[]){1},
-                                 &idx, &err) == FRK_OK && idx == 0);
-    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_COUNT, 0, 0, 1, (int64_t[]){1}, (int64_t[]){1},
-                                 &idx, &err) == FRK_EINVAL);
+    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_F32, 0, 0, 1, (int64_t[]){16}, (int64_t[]){1}, &idx,
+                                 &err) == FRK_OK &&
+          idx == 0);
+    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_COUNT, 0, 0, 1, (int64_t[]){1}, (int64_t[]){1}, &idx,
+                                 &err) == FRK_EINVAL);
     CHECK(frk_builder_add_tensor(b, 2, FRK_DT_U8, 0, 0, 1, (int64_t[]){1}, (int64_t[]){1}, &idx,
                                  &err) == FRK_EINVAL);
     CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, 1, 0, 1, (int64_t[]){1}, (int64_t[]){1}, &idx,
@@ -957,8 +981,7 @@ static void test_builder_rejects(void)
     int64_t dims[33];
     for (int i = 0; i < 33; i++)
         dims[i] = 1;
-    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, 0, 0, 33, dims, dims, &idx, &err) ==
-          FRK_EINVAL);
+    CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, 0, 0, 33, dims, dims, &idx, &err) == FRK_EINVAL);
     CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, 0, 0, 32, dims, dims, &idx, &err) == FRK_OK &&
           idx == 1);
     CHECK(frk_builder_put_tensor(b, 2, &err) == FRK_EINVAL);
@@ -1191,8 +1214,8 @@ static void test_commit_failures(void)
     snprintf(path, sizeof path, "%s/ckpt.frk", dir);
     memset(&err, 0, sizeof err);
     int rc = commit_gen(path, 1, 100, FRK_COMMIT_FSYNC, &err);
-    CHECKF(rc == FRK_EIO && err.status == FRK_EIO && err.sys_errno == ENOENT, "rc %d errno %d",
-           rc, err.sys_errno);
+    CHECKF(rc == FRK_EIO && err.status == FRK_EIO && err.sys_errno == ENOENT, "rc %d errno %d", rc,
+           err.sys_errno);
     CHECKF(strstr(err.msg, dir) && strstr(err.msg, "ckpt.frk"),
            "message does not name the path: %s", err.msg);
     CHECK(access(dir, F_OK) != 0 && count_temps(tmpdir, "ckpt.frk") == 0);
@@ -1265,6 +1288,151 @@ static void test_commit_failures(void)
         free(after);
     }
     free(before);
+}
+
+/* The one place the layout's numbers are restated: as docs/FORMAT.md's tables give them, so
+ * that a change to csrc/layout.h that would change the format fails here. */
+static void test_layout_matches_the_spec(void)
+{
+    CHECK(FRK_PREAMBLE_SIZE == 64 && FRK_FOOTER_SIZE == 64 && FRK_BLOB_ALIGN == 64);
+    CHECK(!memcmp(FRK_PREAMBLE_MAGIC, "\x89\x46\x52\x4b\x0d\x0a\x1a\x0a", 8) &&
+          !memcmp(FRK_FOOTER_MAGIC, "FRKFOOT\n", 8) && FRK_MAGIC_SIZE == 8);
+    CHECK(FRK_PRE_MAGIC == 0 && FRK_PRE_VERSION == 8 && FRK_PRE_RESERVED == 12);
+    CHECK(FRK_INDEX_WORD == 8 && FRK_VALUE_TAG_SIZE == 1 && FRK_VALUE_WORD == 8);
+    CHECK(FRK_BLOB_OFFSET == 0 && FRK_BLOB_LENGTH == 8 && FRK_BLOB_CRC == 16 &&
+          FRK_BLOB_RESERVED == 20 && FRK_BLOB_ENTRY_SIZE == 24);
+    CHECK(FRK_TENSOR_KIND == 0 && FRK_TENSOR_DTYPE == 1 && FRK_TENSOR_NDIM == 2 &&
+          FRK_TENSOR_RESERVED == 4 && FRK_TENSOR_BLOB == 8 && FRK_TENSOR_STORAGE_OFFSET == 16 &&
+          FRK_TENSOR_HEAD_SIZE == 24 && FRK_TENSOR_DIM_SIZE == 16);
+    CHECK(FRK_TENSOR_SIZE_AT(2) == 24 + 16 && FRK_TENSOR_STRIDE_AT(3, 1) == 24 + 8 * 3 + 8);
+    CHECK(FRK_FOOT_INDEX_OFFSET == 0 && FRK_FOOT_INDEX_SIZE == 8 && FRK_FOOT_FILE_SIZE == 16 &&
+          FRK_FOOT_INDEX_CRC == 24 && FRK_FOOT_VERSION == 28 && FRK_FOOT_RESERVED == 32 &&
+          FRK_FOOT_CRC == 52 && FRK_FOOT_MAGIC == 56);
+    uint8_t w[8];
+    frk_put64(w, 0x0807060504030201ull);
+    CHECK(w[0] == 1 && w[7] == 8 && frk_get64(w) == 0x0807060504030201ull &&
+          frk_get32(w + 4) == 0x08070605u && frk_get16(w + 6) == 0x0807);
+}
+
+static void test_commit_directory_sync(void)
+{
+    char path[600];
+    frk_error err;
+    path_in(path, sizeof path, "dirsync.frk");
+    CHECK(commit_gen(path, 1, 100, FRK_COMMIT_FSYNC, &err) == FRK_OK);
+
+    /* the directory's sync fails after the rename: the new file is in place, and the error
+     * says so instead of "save failed" */
+    fail_dir_fsync_errno = EIO;
+    memset(&err, 0, sizeof err);
+    int rc = commit_gen(path, 2, 100, FRK_COMMIT_FSYNC, &err);
+    fail_dir_fsync_errno = 0;
+    CHECKF(rc == FRK_EIO && err.sys_errno == EIO, "rc %d errno %d", rc, err.sys_errno);
+    CHECKF(strstr(err.msg, "the new checkpoint is in place at") && strstr(err.msg, path) &&
+               strstr(err.msg, "syncing its directory failed") && strstr(err.msg, strerror(EIO)),
+           "%s", err.msg);
+    CHECK(read_gen(path) == 2 && count_temps(tmpdir, "dirsync.frk") == 0);
+    note("directory sync failed: %s", err.msg);
+    /* EINVAL: a file system that cannot sync a directory at all; without FRK_COMMIT_FSYNC
+     * nothing is synced: neither fails */
+    fail_dir_fsync_errno = EINVAL;
+    CHECK(commit_gen(path, 3, 100, FRK_COMMIT_FSYNC, &err) == FRK_OK);
+    fail_dir_fsync_errno = EIO;
+    CHECK(commit_gen(path, 4, 100, 0, &err) == FRK_OK);
+    fail_dir_fsync_errno = 0;
+    CHECK(read_gen(path) == 4);
+
+    /* the directory cannot be opened (so could not be synced): the save fails before it
+     * writes anything, never silently without the sync */
+    fail_dir_open_errno = EACCES;
+    memset(&err, 0, sizeof err);
+    rc = commit_gen(path, 5, 100, FRK_COMMIT_FSYNC, &err);
+    fail_dir_open_errno = 0;
+    CHECKF(rc == FRK_EIO && err.sys_errno == EACCES, "rc %d errno %d", rc, err.sys_errno);
+    CHECKF(strstr(err.msg, "cannot open the directory") && strstr(err.msg, tmpdir) &&
+               strstr(err.msg, "dirsync.frk"),
+           "%s", err.msg);
+    CHECK(read_gen(path) == 4 && count_temps(tmpdir, "dirsync.frk") == 0);
+}
+
+/* Entries of dir whose name starts with '.', other than "." and "..". */
+static int count_hidden(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)))
+        n += e->d_name[0] == '.' && strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    closedir(d);
+    return n;
+}
+
+static void test_commit_long_names(void)
+{
+    char dir[600], path[1200], name[300];
+    path_in(dir, sizeof dir, "longnames");
+    CHECK(mkdir(dir, 0755) == 0);
+    frk_error err;
+    /* names of 240 and 255 bytes (NAME_MAX), ASCII and 2-byte UTF-8 (an odd cut would split
+     * a character): the temporary name stays a valid name, UTF-8 included */
+    static const struct {
+        size_t bytes;
+        const char *unit;
+    } cases[] = {{240, "a"}, {255, "a"}, {241, "\xc3\xa9"}, {255, "\xc3\xa9"}, {200, "a"}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        size_t n = 0, u = strlen(cases[i].unit);
+        while (n + u + 4 <= cases[i].bytes)
+            memcpy(name + n, cases[i].unit, u), n += u;
+        while (n + 4 < cases[i].bytes)
+            name[n++] = 'x';
+        memcpy(name + n, ".frk", 5);
+        CHECK(strlen(name) == cases[i].bytes);
+        snprintf(path, sizeof path, "%s/%s", dir, name);
+        last_synced_file[0] = 0;
+        memset(&err, 0, sizeof err);
+        int rc = commit_gen(path, (int64_t)i + 1, 100, FRK_COMMIT_FSYNC, &err);
+        CHECKF(rc == FRK_OK, "%zu-byte name: %s", cases[i].bytes, err.msg);
+        CHECK(read_gen(path) == (int64_t)i + 1 && count_hidden(dir) == 0);
+        /* the temporary file the core synced, before its rename */
+        const char *tmp = strrchr(last_synced_file, '/');
+        tmp = tmp ? tmp + 1 : "";
+        char pid_part[32];
+        snprintf(pid_part, sizeof pid_part, ".tmp.%ld.0", (long)getpid());
+        CHECKF(tmp[0] == '.' && strlen(tmp) <= 255 && strstr(tmp, pid_part) &&
+                   frk_utf8_valid((const uint8_t *)tmp, strlen(tmp)),
+               "temporary name %s", tmp);
+        if (cases[i].bytes == 200) /* short enough: the plain ".<name>.tmp.<pid>.<n>" */
+            CHECKF(!strncmp(tmp + 1, name, strlen(name)) &&
+                       !strcmp(tmp + 1 + strlen(name), pid_part),
+                   "temporary name %s", tmp);
+        else /* the start of the name and a hash of the whole */
+            CHECKF(!strncmp(tmp + 1, name, 100) && strchr(tmp, '~'), "temporary name %s", tmp);
+        if (i == 3)
+            note("temporary name of a 255-byte name: %zu bytes", strlen(tmp));
+    }
+}
+
+static void test_error_message_cut_at_a_character(void)
+{
+    /* a path longer than the message buffer, of 2- and 3-byte characters, in a directory
+     * that does not exist: the message is cut, with "...", between characters */
+    for (int pad = 0; pad < 3; pad++) {
+        char path[4000];
+        int n = snprintf(path, sizeof path, "%s/%.*s", tmpdir, pad, "xx");
+        for (int k = 0; k < 150; k++)
+            n += snprintf(path + n, sizeof path - (size_t)n, "\xc3\xa9\xe2\x82\xac");
+        snprintf(path + n, sizeof path - (size_t)n, "/ckpt.frk");
+        frk_error err;
+        memset(&err, 0, sizeof err);
+        CHECK(commit_gen(path, 1, 10, FRK_COMMIT_FSYNC, &err) == FRK_EIO);
+        size_t len = strlen(err.msg);
+        CHECKF(len < sizeof err.msg && len > sizeof err.msg - 8 &&
+                   !strcmp(err.msg + len - 3, "...") &&
+                   frk_utf8_valid((const uint8_t *)err.msg, len),
+               "pad %d: %zu bytes, ends %s", pad, len, err.msg + (len > 10 ? len - 10 : 0));
+    }
 }
 
 /* ---- reader: damaged real files ---------------------------------------------------------- */
@@ -1361,7 +1529,7 @@ static uint8_t *covered_map(const uint8_t *img, size_t len, size_t *n_covered)
     uint8_t *cov = xmalloc(len);
     memset(cov, 0, len);
     memset(cov, 1, FRK_PREAMBLE_SIZE);
-    uint64_t ioff = rd64(img + len - FRK_FOOTER_SIZE);
+    uint64_t ioff = frk_get64(img + len - FRK_FOOTER_SIZE + FRK_FOOT_INDEX_OFFSET);
     memset(cov + ioff, 1, len - ioff);
     frk_reader *r;
     frk_error err;
@@ -1473,29 +1641,33 @@ static void test_patched_real_file(void)
     if (!img)
         return;
     frk_error err;
-    uint64_t ioff = rd64(img + len - 64);
+    uint64_t ioff = frk_get64(img + len - FRK_FOOTER_SIZE + FRK_FOOT_INDEX_OFFSET);
     uint8_t *ix = img + ioff;
-    uint64_t nb = rd64(ix);
-    size_t t0 = 8 + 24 * (size_t)nb + 8; /* tensor 0: f32 [2,3] strides [3,1] */
-    CHECK(ix[t0 + 1] == FRK_DT_F32 && rd64(ix + t0 + 24) == 2);
+    uint64_t nb = frk_get64(ix);
+    /* tensor 0: f32 [2,3] strides [3,1] */
+    size_t t0 = FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * (size_t)nb + FRK_INDEX_WORD;
+    size_t blob0 = FRK_INDEX_WORD, blob1 = FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE;
+    CHECK(ix[t0 + FRK_TENSOR_DTYPE] == FRK_DT_F32 && frk_get16(ix + t0 + FRK_TENSOR_NDIM) == 2 &&
+          frk_get64(ix + t0 + FRK_TENSOR_SIZE_AT(0)) == 2);
+    size_t stride0 = (size_t)ioff + t0 + FRK_TENSOR_STRIDE_AT(2, 0);
 
     uint8_t *c = dup_mem(img, len);
     CHECK(reseal(c, len) == 0 && open_copy(c, len, 1, &err) == FRK_OK); /* reseal is a no-op */
-    wr64(c + ioff + t0 + 24 + 16, 4); /* stride[0] = 4: [1][2] at element 6 > 5 */
+    frk_put64(c + stride0, 4); /* stride[0] = 4: [1][2] at element 6 > 5 */
     CHECK(open_copy(c, len, 1, &err) == FRK_ECORRUPT && strstr(err.msg, "index checksum"));
     reseal(c, len);
     expect_corrupt_img("real file, stride 4", c, len, "needs 28 bytes");
-    wr64(c + ioff + t0 + 24 + 16, 2); /* stride[0] = 2 overlaps itself but fits: valid */
+    frk_put64(c + stride0, 2); /* stride[0] = 2 overlaps itself but fits: valid */
     reseal(c, len);
     CHECK(open_copy(c, len, 1, &err) == FRK_OK);
     /* blob 1 moved onto blob 0 */
     memcpy(c, img, len);
-    wr64(c + ioff + 8 + 24, rd64(c + ioff + 8));
+    frk_put64(c + ioff + blob1 + FRK_BLOB_OFFSET, frk_get64(c + ioff + blob0 + FRK_BLOB_OFFSET));
     reseal_blobs(c, len);
     expect_corrupt_img("real file, blob 1 onto blob 0", c, len, "overlaps");
     /* blob 0 claims the whole file */
     memcpy(c, img, len);
-    wr64(c + ioff + 8 + 8, len);
+    frk_put64(c + ioff + blob0 + FRK_BLOB_LENGTH, len);
     reseal(c, len);
     expect_corrupt_img("real file, blob 0 is the whole file", c, len, "outside");
     free(c);
@@ -1512,19 +1684,23 @@ static void expect_corrupt_raw(const char *what, const uint8_t *ix, size_t n, in
     size_t len = H_DATA_END + n + FRK_FOOTER_SIZE;
     uint8_t *img = xmalloc(len);
     memset(img, 0, len);
-    memcpy(img, PRE_MAGIC, 8);
-    wr32(img + 8, FRK_FORMAT_VERSION);
+    memcpy(img + FRK_PRE_MAGIC, FRK_PREAMBLE_MAGIC, FRK_MAGIC_SIZE);
+    frk_put32(img + FRK_PRE_VERSION, FRK_FORMAT_VERSION);
     for (size_t i = FRK_PREAMBLE_SIZE; i < H_DATA_END; i++)
         img[i] = (uint8_t)(i * 37 + 11);
     memcpy(img + H_DATA_END, ix, n);
-    if (fix_blob0)
-        wr32(img + H_DATA_END + 24, frk_crc32c(0, img + rd64(ix + 8), (size_t)rd64(ix + 16)));
+    if (fix_blob0) {
+        const uint8_t *e = ix + FRK_INDEX_WORD;
+        frk_put32(img + H_DATA_END + FRK_INDEX_WORD + FRK_BLOB_CRC,
+                  frk_crc32c(0, img + frk_get64(e + FRK_BLOB_OFFSET),
+                             (size_t)frk_get64(e + FRK_BLOB_LENGTH)));
+    }
     uint8_t *foot = img + len - FRK_FOOTER_SIZE;
-    wr64(foot, H_DATA_END);
-    wr64(foot + 8, n);
-    wr64(foot + 16, len);
-    wr32(foot + 28, FRK_FORMAT_VERSION);
-    memcpy(foot + 56, FOOT_MAGIC, 8);
+    frk_put64(foot + FRK_FOOT_INDEX_OFFSET, H_DATA_END);
+    frk_put64(foot + FRK_FOOT_INDEX_SIZE, n);
+    frk_put64(foot + FRK_FOOT_FILE_SIZE, len);
+    frk_put32(foot + FRK_FOOT_VERSION, FRK_FORMAT_VERSION);
+    memcpy(foot + FRK_FOOT_MAGIC, FRK_FOOTER_MAGIC, FRK_MAGIC_SIZE);
     reseal(img, len);
     if (why)
         expect_corrupt_img(what, img, len, why);
@@ -1578,10 +1754,15 @@ static void test_hostile_control(void)
           !memcmp(file + 192, img + 192, 40) && !memcmp(file + 232, img + 256, ilen));
     CHECK(file && flen + 24 == len && file[160] == 0 && !memcmp(file + 160, file + 161, 31));
     if (file && flen + 24 == len) {
-        const uint8_t *ff = file + flen - 64, *hf = img + len - 64;
-        CHECK(rd64(ff) == 232 && rd64(ff + 8) == ilen && rd64(ff + 8) == rd64(hf + 8) &&
-              rd64(ff + 16) == flen && rd32(ff + 24) == rd32(hf + 24) &&
-              !memcmp(ff + 28, hf + 28, 24) && !memcmp(ff + 56, hf + 56, 8));
+        const uint8_t *ff = file + flen - FRK_FOOTER_SIZE, *hf = img + len - FRK_FOOTER_SIZE;
+        CHECK(frk_get64(ff + FRK_FOOT_INDEX_OFFSET) == 232 &&
+              frk_get64(ff + FRK_FOOT_INDEX_SIZE) == ilen &&
+              frk_get64(hf + FRK_FOOT_INDEX_SIZE) == ilen &&
+              frk_get64(ff + FRK_FOOT_FILE_SIZE) == flen &&
+              frk_get32(ff + FRK_FOOT_INDEX_CRC) == frk_get32(hf + FRK_FOOT_INDEX_CRC) &&
+              !memcmp(ff + FRK_FOOT_VERSION, hf + FRK_FOOT_VERSION,
+                      FRK_FOOT_CRC - FRK_FOOT_VERSION) &&
+              !memcmp(ff + FRK_FOOT_MAGIC, hf + FRK_FOOT_MAGIC, FRK_MAGIC_SIZE));
     }
     free(file);
     free(img);
@@ -1639,7 +1820,7 @@ static void test_hostile_blobs(void)
     hspec_free(&s);
 
     /* huge blob counts with a small index */
-    static const uint64_t counts[] = {3, 1000, 1ull << 32, 1ull << 60, UINT64_MAX / 24 + 1,
+    static const uint64_t counts[] = {3,         1000, 1ull << 32, 1ull << 60, UINT64_MAX / 24 + 1,
                                       UINT64_MAX};
     for (size_t i = 0; i < sizeof counts / sizeof *counts; i++) {
         hspec_default(&s);
@@ -1693,35 +1874,146 @@ static void test_hostile_tensors(void)
         {"stride pushes past the end", "needs 108 bytes", 0, FRK_DT_F32, 0, 0, 2, {4, 6}, {6, 1}},
         {"shape x stride larger than the blob", "needs", 0, FRK_DT_F32, 0, 0, 2, {2, 3}, {100, 1}},
         {"float64 view of a float32 blob", "needs 192 bytes", 0, FRK_DT_F64, 0, 0, 1, {24}, {1}},
-        {"huge storage offset", "impossible shape or stride", 0, FRK_DT_F32, 0, UINT64_MAX, 1, {1},
+        {"huge storage offset",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         UINT64_MAX,
+         1,
+         {1},
          {1}},
-        {"storage offset x item overflows", "impossible shape or stride", 0, FRK_DT_F32, 0,
-         (1ull << 62), 1, {1}, {1}},
-        {"empty tensor with an offset past the blob", "needs 0 bytes", 0, FRK_DT_F32, 0, 25, 1,
-         {0}, {1}},
-        {"shape product overflow", "impossible shape", 0, FRK_DT_U8, 0, 0, 3,
-         {1ll << 32, 1ll << 32, 2}, {0, 0, 0}},
-        {"shape product overflow, then 0", "impossible shape", 0, FRK_DT_U8, 0, 0, 3,
-         {1ll << 40, 1ll << 40, 0}, {0, 0, 0}},
-        {"size x stride overflow", "impossible shape or stride", 0, FRK_DT_U8, 0, 0, 2,
-         {1ll << 33, 2}, {1ll << 33, 1}},
+        {"storage offset x item overflows",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         (1ull << 62),
+         1,
+         {1},
+         {1}},
+        {"empty tensor with an offset past the blob",
+         "needs 0 bytes",
+         0,
+         FRK_DT_F32,
+         0,
+         25,
+         1,
+         {0},
+         {1}},
+        {"shape product overflow",
+         "impossible shape",
+         0,
+         FRK_DT_U8,
+         0,
+         0,
+         3,
+         {1ll << 32, 1ll << 32, 2},
+         {0, 0, 0}},
+        {"shape product overflow, then 0",
+         "impossible shape",
+         0,
+         FRK_DT_U8,
+         0,
+         0,
+         3,
+         {1ll << 40, 1ll << 40, 0},
+         {0, 0, 0}},
+        {"size x stride overflow",
+         "impossible shape or stride",
+         0,
+         FRK_DT_U8,
+         0,
+         0,
+         2,
+         {1ll << 33, 2},
+         {1ll << 33, 1}},
         /* torch and NumPy count elements and bytes in int64: a broadcast (stride 0) shape
          * fits a one-element blob, but no loader could build it */
-        {"broadcast numel x 4 over int64", "impossible shape", 0, FRK_DT_F32, 0, 0, 2,
-         {1ll << 31, 1ll << 31}, {0, 0}},
-        {"broadcast numel over int64", "impossible shape", 0, FRK_DT_U8, 0, 0, 2,
-         {1ll << 62, 3}, {0, 0}},
-        {"empty, huge non-zero dims", "impossible shape", 0, FRK_DT_F32, 0, 0, 3,
-         {0, 1ll << 62, 1ll << 62}, {0, 0, 0}},
-        {"size-1 dim, byte stride over int64", "impossible stride", 0, FRK_DT_F32, 0, 0, 2,
-         {1, 6}, {1ll << 62, 1}},
+        {"broadcast numel x 4 over int64",
+         "impossible shape",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {1ll << 31, 1ll << 31},
+         {0, 0}},
+        {"broadcast numel over int64",
+         "impossible shape",
+         0,
+         FRK_DT_U8,
+         0,
+         0,
+         2,
+         {1ll << 62, 3},
+         {0, 0}},
+        {"empty, huge non-zero dims",
+         "impossible shape",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         3,
+         {0, 1ll << 62, 1ll << 62},
+         {0, 0, 0}},
+        {"size-1 dim, byte stride over int64",
+         "impossible stride",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {1, 6},
+         {1ll << 62, 1}},
+        /* a view that reaches inside its blob but holds more bytes than the blob stores
+         * (stride 0, expand): copying it would turn a small file into a huge allocation */
+        {"broadcast (stride 0), 2^60 elements",
+         "may not be larger than its stored bytes",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {1ll << 30, 1ll << 30},
+         {0, 0}},
+        {"overlapping rows, 120 bytes of a 96-byte blob",
+         "holds 120 bytes of elements",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {5, 6},
+         {0, 1}},
         {"negative stride", "impossible shape or stride", 0, FRK_DT_F32, 0, 10, 1, {2}, {-1}},
-        {"negative stride on a size-1 dim", "impossible shape or stride", 0, FRK_DT_F32, 0, 0, 1,
-         {1}, {-1}},
-        {"INT64_MIN stride on a size-1 dim", "impossible shape or stride", 0, FRK_DT_F32, 0, 0, 2,
-         {1, 3}, {INT64_MIN, 1}},
-        {"negative stride on an empty dim", "impossible shape or stride", 0, FRK_DT_F32, 0, 0, 2,
-         {0, 2}, {1, -1}},
+        {"negative stride on a size-1 dim",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         1,
+         {1},
+         {-1}},
+        {"INT64_MIN stride on a size-1 dim",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {1, 3},
+         {INT64_MIN, 1}},
+        {"negative stride on an empty dim",
+         "impossible shape or stride",
+         0,
+         FRK_DT_F32,
+         0,
+         0,
+         2,
+         {0, 2},
+         {1, -1}},
         {"negative size", "impossible shape", 0, FRK_DT_F32, 0, 0, 1, {-1}, {1}},
         {"INT64_MIN size", "impossible shape", 0, FRK_DT_F32, 0, 0, 1, {INT64_MIN}, {1}},
         {"bad dtype code 21", "unknown dtype code 21", 0, FRK_DT_COUNT, 0, 0, 1, {1}, {1}},
@@ -1749,7 +2041,7 @@ static void test_hostile_tensors(void)
     } valid[] = {
         {"exactly the blob", FRK_DT_F32, 0, 1, {24}, {1}},
         {"offset + rest is the blob", FRK_DT_F32, 23, 1, {1}, {1}},
-        {"broadcast (stride 0), 2^60 elements", FRK_DT_F32, 0, 2, {1ll << 30, 1ll << 30}, {0, 0}},
+        {"overlapping (stride 0) but no larger than the blob", FRK_DT_F32, 0, 2, {4, 6}, {0, 1}},
         {"empty tensor at the blob's end", FRK_DT_F32, 24, 1, {0}, {1}},
         {"empty with huge stride", FRK_DT_F32, 0, 2, {0, 5}, {1ll << 62, 1ll << 62}},
         {"0-d scalar at the last element", FRK_DT_F32, 23, 0, {0}, {0}},
@@ -1876,18 +2168,12 @@ static void test_hostile_tree(void)
     static const struct {
         const char *what, *s;
     } bad_utf8[] = {
-        {"overlong '/' (2 bytes)", "\xc0\xaf"},
-        {"overlong NUL", "\xc0\x80"},
-        {"overlong (3 bytes)", "\xe0\x80\xaf"},
-        {"overlong (4 bytes)", "\xf0\x80\x80\xaf"},
-        {"surrogate D800", "\xed\xa0\x80"},
-        {"surrogate DFFF", "\xed\xbf\xbf"},
-        {"above U+10FFFF", "\xf4\x90\x80\x80"},
-        {"5-byte form", "\xf8\x88\x80\x80\x80"},
-        {"lone continuation", "a\x80"},
-        {"truncated 3-byte at end", "ok\xe2\x82"},
-        {"bad continuation", "\xe2\x28\xa1"},
-        {"0xff", "\xff"},
+        {"overlong '/' (2 bytes)", "\xc0\xaf"}, {"overlong NUL", "\xc0\x80"},
+        {"overlong (3 bytes)", "\xe0\x80\xaf"}, {"overlong (4 bytes)", "\xf0\x80\x80\xaf"},
+        {"surrogate D800", "\xed\xa0\x80"},     {"surrogate DFFF", "\xed\xbf\xbf"},
+        {"above U+10FFFF", "\xf4\x90\x80\x80"}, {"5-byte form", "\xf8\x88\x80\x80\x80"},
+        {"lone continuation", "a\x80"},         {"truncated 3-byte at end", "ok\xe2\x82"},
+        {"bad continuation", "\xe2\x28\xa1"},   {"0xff", "\xff"},
     };
     for (size_t i = 0; i < sizeof bad_utf8 / sizeof *bad_utf8; i++) {
         t.len = 0;
@@ -1903,9 +2189,16 @@ static void test_hostile_tree(void)
     t_str(&t, FRK_TAG_STR, "\xe2\x82\xac", 2);
     t_word(&t, FRK_TAG_BYTES, 0);
     tree_case("utf-8 sequence cut by the length", t.p, t.len, "not valid UTF-8");
-    static const char *good_utf8[] = {"", "ascii", "\xc2\x80", "\xdf\xbf", "\xe0\xa0\x80",
-                                      "\xed\x9f\xbf", "\xee\x80\x80", "\xef\xbf\xbf",
-                                      "\xf0\x90\x80\x80", "\xf4\x8f\xbf\xbf"};
+    static const char *good_utf8[] = {"",
+                                      "ascii",
+                                      "\xc2\x80",
+                                      "\xdf\xbf",
+                                      "\xe0\xa0\x80",
+                                      "\xed\x9f\xbf",
+                                      "\xee\x80\x80",
+                                      "\xef\xbf\xbf",
+                                      "\xf0\x90\x80\x80",
+                                      "\xf4\x8f\xbf\xbf"};
     for (size_t i = 0; i < sizeof good_utf8 / sizeof *good_utf8; i++) {
         t.len = 0;
         t_str(&t, FRK_TAG_STR, good_utf8[i], strlen(good_utf8[i]));
@@ -1950,9 +2243,10 @@ static void test_hostile_tree(void)
     tree_case("inner list has no bytes left", t.p, t.len, "claims 1 items, only 0 bytes");
 
     /* dict keys */
-    static const uint8_t bad_keys[] = {FRK_TAG_NONE, FRK_TAG_FALSE, FRK_TAG_TRUE, FRK_TAG_FLOAT,
-                                       FRK_TAG_BYTES, FRK_TAG_LIST, FRK_TAG_TUPLE, FRK_TAG_DICT,
-                                       FRK_TAG_TENSOR, 11, 200};
+    static const uint8_t bad_keys[] = {
+        FRK_TAG_NONE, FRK_TAG_FALSE, FRK_TAG_TRUE, FRK_TAG_FLOAT,  FRK_TAG_BYTES,
+        FRK_TAG_LIST, FRK_TAG_TUPLE, FRK_TAG_DICT, FRK_TAG_TENSOR, 11,
+        200};
     for (size_t i = 0; i < sizeof bad_keys; i++) {
         t.len = 0;
         t_word(&t, FRK_TAG_DICT, 1);
@@ -2067,24 +2361,25 @@ static void test_hostile_preamble_footer(void)
     size_t len;
     uint8_t *img = hspec_image(&s, &len);
     uint8_t *c = dup_mem(img, len);
-    uint8_t *foot = c + len - 64;
-    wr64(foot + 8, rd64(foot + 8) + 8); /* index 8 bytes longer, reaching into the footer */
-    wr32(foot + 52, frk_crc32c(0, foot, 52));
+    uint8_t *foot = c + len - FRK_FOOTER_SIZE;
+    /* index 8 bytes longer, reaching into the footer */
+    frk_put64(foot + FRK_FOOT_INDEX_SIZE, frk_get64(foot + FRK_FOOT_INDEX_SIZE) + 8);
+    frk_put32(foot + FRK_FOOT_CRC, frk_crc32c(0, foot, FRK_FOOT_CRC));
     expect_corrupt_img("index size into the footer", c, len, "index location");
     memcpy(c, img, len);
-    wr64(foot, UINT64_MAX - 10); /* offset + size overflows */
-    wr32(foot + 52, frk_crc32c(0, foot, 52));
+    frk_put64(foot + FRK_FOOT_INDEX_OFFSET, UINT64_MAX - 10); /* offset + size overflows */
+    frk_put32(foot + FRK_FOOT_CRC, frk_crc32c(0, foot, FRK_FOOT_CRC));
     expect_corrupt_img("index offset overflow", c, len, "index location");
     memcpy(c, img, len);
-    wr64(foot + 8, 16); /* index too small to hold the three counts */
-    wr64(foot, len - 64 - 16);
-    wr32(foot + 52, frk_crc32c(0, foot, 52));
+    frk_put64(foot + FRK_FOOT_INDEX_SIZE, 16); /* index too small to hold the three counts */
+    frk_put64(foot + FRK_FOOT_INDEX_OFFSET, len - FRK_FOOTER_SIZE - 16);
+    frk_put32(foot + FRK_FOOT_CRC, frk_crc32c(0, foot, FRK_FOOT_CRC));
     expect_corrupt_img("index of 16 bytes", c, len, "index location");
     memcpy(c, img, len);
-    foot[60] ^= 1; /* footer magic */
+    foot[FRK_FOOT_MAGIC + 4] ^= 1;
     expect_corrupt_img("footer magic", c, len, "no valid footer");
     memcpy(c, img, len);
-    foot[52] ^= 1;
+    foot[FRK_FOOT_CRC] ^= 1;
     expect_corrupt_img("footer crc", c, len, "footer checksum");
     memcpy(c, img, len);
     c[3] = 'X';
@@ -2097,21 +2392,21 @@ static void test_hostile_preamble_footer(void)
     hspec_free(&s);
 
     /* indexes that end between their tables (the hspec always writes all three) */
+    enum { W = FRK_INDEX_WORD, BLOB0 = W, NT = W + FRK_BLOB_ENTRY_SIZE, T0 = NT + W };
     uint8_t raw[80];
     memset(raw, 0, sizeof raw);
-    wr64(raw, 1); /* one blob entry: 64, 96 bytes, then 7 bytes */
-    wr64(raw + 8, 64);
-    wr64(raw + 16, 96);
-    wr32(raw + 24, 0);
-    expect_corrupt_raw("index ends in the tensor count", raw, 8 + 24 + 7, 1,
+    frk_put64(raw, 1); /* one blob entry: 64, 96 bytes, then 7 bytes */
+    frk_put64(raw + BLOB0 + FRK_BLOB_OFFSET, 64);
+    frk_put64(raw + BLOB0 + FRK_BLOB_LENGTH, 96);
+    expect_corrupt_raw("index ends in the tensor count", raw, NT + 7, 1,
                        "index ends before the tensor table");
-    wr64(raw + 32, 1); /* + one tensor (0-d u8 of blob 0), then 7 bytes */
-    raw[41] = FRK_DT_U8;
-    expect_corrupt_raw("index ends in the tree length", raw, 8 + 24 + 8 + 24 + 7, 1,
+    frk_put64(raw + NT, 1); /* + one tensor (0-d u8 of blob 0), then 7 bytes */
+    raw[T0 + FRK_TENSOR_DTYPE] = FRK_DT_U8;
+    expect_corrupt_raw("index ends in the tree length", raw, T0 + FRK_TENSOR_HEAD_SIZE + 7, 1,
                        "index ends before the value tree");
     memset(raw, 0, sizeof raw); /* control: no blobs, no tensors, tree None */
-    wr64(raw + 16, 1);
-    expect_corrupt_raw(NULL, raw, 8 + 8 + 8 + 1, 0, NULL);
+    frk_put64(raw + 2 * W, 1);
+    expect_corrupt_raw(NULL, raw, 3 * W + 1, 0, NULL);
 }
 
 /* ---- SkipToIter ------------------------------------------------------------------------------ */
@@ -2278,14 +2573,14 @@ static int write_seeds(const char *dir)
     uint8_t data[512];
     for (size_t i = 0; i < sizeof data; i++)
         data[i] = (uint8_t)(i * 7 + 3);
-#define SEED_COMMIT(b)                                                                     \
-    do {                                                                                   \
-        snprintf(path, sizeof path, "%s/seed-%02d.frk", dir, n++);                         \
-        if ((rc = frk_builder_commit(b, path, 0, NULL, &err))) {                           \
-            fprintf(stderr, "seed %s: %s\n", path, err.msg);                               \
-            return 1;                                                                      \
-        }                                                                                  \
-        frk_builder_free(b);                                                               \
+#define SEED_COMMIT(b)                                                                             \
+    do {                                                                                           \
+        snprintf(path, sizeof path, "%s/seed-%02d.frk", dir, n++);                                 \
+        if ((rc = frk_builder_commit(b, path, 0, NULL, &err))) {                                   \
+            fprintf(stderr, "seed %s: %s\n", path, err.msg);                                       \
+            return 1;                                                                              \
+        }                                                                                          \
+        frk_builder_free(b);                                                                       \
     } while (0)
     frk_builder *b;
     uint64_t bi, ti;
@@ -2348,14 +2643,14 @@ static int write_seeds(const char *dir)
     for (unsigned dt = 0; dt < FRK_DT_COUNT; dt++) {
         size_t item = frk_dtype_size(dt);
         int64_t n = (int64_t)(96 / item);
-        frk_builder_add_tensor(b, dt % 2, dt, blobs[0], 0, 1, (int64_t[]){n}, (int64_t[]){1},
-                               &ti, &err);
+        frk_builder_add_tensor(b, dt % 2, dt, blobs[0], 0, 1, (int64_t[]){n}, (int64_t[]){1}, &ti,
+                               &err);
         nt++;
     }
     frk_builder_add_tensor(b, 0, FRK_DT_U8, blobs[1], 2, 3, (int64_t[]){2, 3, 4},
                            (int64_t[]){12, 1, 3}, &ti, &err);
-    frk_builder_add_tensor(b, 0, FRK_DT_I16, blobs[2], 1, 2, (int64_t[]){3, 40},
-                           (int64_t[]){0, 3}, &ti, &err);
+    frk_builder_add_tensor(b, 0, FRK_DT_I16, blobs[2], 1, 2, (int64_t[]){3, 40}, (int64_t[]){0, 3},
+                           &ti, &err);
     nt += 2;
     frk_builder_put_container(b, FRK_TAG_TUPLE, nt, &err);
     for (unsigned i = 0; i < nt; i++)
@@ -2432,12 +2727,16 @@ int main(int argc, char **argv)
     }
     chmod(tmpdir, 0755); /* the read-only-directory child runs as nobody */
 
+    run_test("layout_matches_the_spec", test_layout_matches_the_spec);
     run_test("crc32c_published_vectors", test_crc_vectors);
     run_test("crc32c_hw_vs_portable", test_crc_hw_vs_portable);
     run_test("roundtrip_builder_commit_map_read", test_roundtrip);
     run_test("builder_rejects_bad_input", test_builder_rejects);
     run_test("commit_replaces_atomically", test_commit_replaces_atomically);
     run_test("commit_failures_leave_no_temp", test_commit_failures);
+    run_test("commit_directory_sync_failures_are_told", test_commit_directory_sync);
+    run_test("commit_long_names_get_a_short_temp_name", test_commit_long_names);
+    run_test("error_message_cut_at_a_character", test_error_message_cut_at_a_character);
     run_test("reader_truncation_every_offset", test_truncation_every_offset);
     run_test("reader_bit_flips", test_bit_flips);
     run_test("reader_patched_real_file", test_patched_real_file);

@@ -1,0 +1,245 @@
+/* The atomic durable commit: a builder's checkpoint written beside its target in one
+ * sequential pass, synced, renamed over the target, and the directory synced. */
+#define _GNU_SOURCE
+#include "internal.h"
+#include "layout.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define WRITE_CHUNK (1u << 20)
+
+static int write_all(int fd, const void *data, size_t len)
+{
+    const uint8_t *p = data;
+    while (len) {
+        ssize_t n = write(fd, p, len > (1u << 30) ? (1u << 30) : len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        if (n == 0) {
+            errno = EIO;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+/* dirname into dir (".") and basename pointer. */
+static int split_path(const char *path, char *dir, size_t dir_cap, const char **base)
+{
+    const char *slash = strrchr(path, '/');
+    if (!slash) {
+        if (dir_cap < 2)
+            return -1;
+        strcpy(dir, ".");
+        *base = path;
+        return 0;
+    }
+    size_t n = (size_t)(slash - path);
+    if (n == 0)
+        n = 1; /* "/file" */
+    if (n >= dir_cap)
+        return -1;
+    memcpy(dir, path, n);
+    dir[n] = 0;
+    *base = slash + 1;
+    return 0;
+}
+
+/* The temporary file's name in the target's directory: ".<name>.tmp.<pid>.<attempt>", which
+ * says whose it is and which process writes it.  A name too long for that (NAME_MAX is 255
+ * bytes) keeps its first bytes, cut at a character boundary, and a hash of the whole name:
+ * ".<start of name>~<crc32c of name>.tmp.<pid>.<attempt>". */
+static void temp_name(char *out, size_t cap, const char *base, unsigned attempt)
+{
+    enum { NAME_MAX_ = 255, SUFFIX_MAX = 48 }; /* ".tmp." pid "." attempt, with room to spare */
+    long pid = (long)getpid();
+    size_t n = strlen(base);
+    if (1 + n + SUFFIX_MAX <= NAME_MAX_) {
+        snprintf(out, cap, ".%s.tmp.%ld.%u", base, pid, attempt);
+        return;
+    }
+    size_t keep = NAME_MAX_ - 1 - 9 - SUFFIX_MAX; /* "." and "~xxxxxxxx" */
+    while (keep > 0 && ((uint8_t)base[keep] & 0xC0) == 0x80)
+        keep--;
+    snprintf(out, cap, ".%.*s~%08x.tmp.%ld.%u", (int)keep, base, frk_crc32c(0, base, n), pid,
+             attempt);
+}
+
+int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
+                       frk_error *err)
+{
+    int rc = FRK_OK, fd = -1, dfd = -1;
+    uint64_t *offsets = NULL;
+    uint8_t *index = NULL;
+    char dir[4096], tmp[256];
+    const char *base;
+
+    if (split_path(path, dir, sizeof dir, &base) || !*base)
+        return frk_fail(err, FRK_EINVAL, 0, "invalid checkpoint path %s", path);
+
+    /* Refuse to write a tree the reader would reject. */
+    frk_tree_parser tp = {b->tree.data, b->tree.len, 0, b->n_tensors, NULL, 0, 0, err};
+    if ((rc = frk_parse_tree(&tp))) {
+        char why[sizeof err->msg];
+        memcpy(why, err->msg, sizeof why);
+        return frk_fail(err, FRK_EINVAL, 0, "malformed value tree: %s", why);
+    }
+
+    /* Layout. */
+    offsets = malloc((b->n_blobs ? b->n_blobs : 1) * sizeof *offsets);
+    if (!offsets)
+        return frk_oom(err);
+    uint64_t off = FRK_PREAMBLE_SIZE;
+    for (size_t i = 0; i < b->n_blobs; i++) {
+        off = align_up(off, FRK_BLOB_ALIGN);
+        offsets[i] = off;
+        if (__builtin_add_overflow(off, b->blobs[i].len, &off)) {
+            rc = frk_fail(err, FRK_EINVAL, 0, "checkpoint larger than 2^64 bytes");
+            goto out;
+        }
+    }
+    uint64_t index_offset = align_up(off, FRK_INDEX_WORD);
+    size_t index_size = FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * b->n_blobs + FRK_INDEX_WORD +
+                        b->tensors.len + FRK_INDEX_WORD + b->tree.len;
+    uint64_t file_size = index_offset + index_size + FRK_FOOTER_SIZE;
+    index = malloc(index_size);
+    if (!index) {
+        rc = frk_oom(err);
+        goto out;
+    }
+
+    /* The directory first: the temporary file, the rename and the directory's sync all happen
+     * in it, and a directory that cannot be synced must fail the save before it starts. */
+    dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) {
+        int e = errno;
+        rc = frk_fail(err, FRK_EIO, e, "cannot open the directory %s to save %s: %s (errno %d)",
+                      dir, path, strerror(e), e);
+        goto out;
+    }
+    /* The temporary file beside the target, so the rename stays on one file system. */
+    for (unsigned attempt = 0;; attempt++) {
+        temp_name(tmp, sizeof tmp, base, attempt);
+        fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+        if (fd >= 0)
+            break;
+        if (errno != EEXIST || attempt > 100) {
+            int e = errno;
+            rc = frk_fail(err, FRK_EIO, e,
+                          "cannot create a temporary file %s in %s for %s: %s (errno %d)", tmp, dir,
+                          path, strerror(e), e);
+            goto out;
+        }
+    }
+    int e = posix_fallocate(fd, 0, (off_t)file_size);
+    if (e && e != EOPNOTSUPP && e != EINVAL && e != ENOSYS) {
+        rc = frk_io_fail(err, "cannot reserve space for", path, e);
+        goto fail_tmp;
+    }
+
+    uint8_t head[FRK_PREAMBLE_SIZE] = {0};
+    static const uint8_t zeros[FRK_BLOB_ALIGN];
+    memcpy(head + FRK_PRE_MAGIC, FRK_PREAMBLE_MAGIC, FRK_MAGIC_SIZE);
+    frk_put32(head + FRK_PRE_VERSION, FRK_FORMAT_VERSION);
+    if (write_all(fd, head, sizeof head))
+        goto io_error;
+
+    uint8_t *q = index;
+    frk_put64(q, b->n_blobs);
+    q += FRK_INDEX_WORD;
+    uint64_t pos = FRK_PREAMBLE_SIZE;
+    for (size_t i = 0; i < b->n_blobs; i++) {
+        if (write_all(fd, zeros, (size_t)(offsets[i] - pos)))
+            goto io_error;
+        const uint8_t *p = b->blobs[i].data;
+        uint64_t left = b->blobs[i].len;
+        uint32_t crc = 0;
+        while (left) {
+            size_t n = left > WRITE_CHUNK ? WRITE_CHUNK : (size_t)left;
+            crc = frk_crc32c(crc, p, n); /* while the chunk is still in cache */
+            if (write_all(fd, p, n))
+                goto io_error;
+            p += n;
+            left -= n;
+        }
+        pos = offsets[i] + b->blobs[i].len;
+        frk_put64(q + FRK_BLOB_OFFSET, offsets[i]);
+        frk_put64(q + FRK_BLOB_LENGTH, b->blobs[i].len);
+        frk_put32(q + FRK_BLOB_CRC, crc);
+        frk_put32(q + FRK_BLOB_RESERVED, 0);
+        q += FRK_BLOB_ENTRY_SIZE;
+    }
+    if (write_all(fd, zeros, (size_t)(index_offset - pos)))
+        goto io_error;
+    frk_put64(q, b->n_tensors);
+    q += FRK_INDEX_WORD;
+    if (b->tensors.len)
+        memcpy(q, b->tensors.data, b->tensors.len);
+    q += b->tensors.len;
+    frk_put64(q, b->tree.len);
+    q += FRK_INDEX_WORD;
+    memcpy(q, b->tree.data, b->tree.len);
+
+    uint8_t foot[FRK_FOOTER_SIZE] = {0};
+    frk_put64(foot + FRK_FOOT_INDEX_OFFSET, index_offset);
+    frk_put64(foot + FRK_FOOT_INDEX_SIZE, index_size);
+    frk_put64(foot + FRK_FOOT_FILE_SIZE, file_size);
+    frk_put32(foot + FRK_FOOT_INDEX_CRC, frk_crc32c(0, index, index_size));
+    frk_put32(foot + FRK_FOOT_VERSION, FRK_FORMAT_VERSION);
+    frk_put32(foot + FRK_FOOT_CRC, frk_crc32c(0, foot, FRK_FOOT_CRC));
+    memcpy(foot + FRK_FOOT_MAGIC, FRK_FOOTER_MAGIC, FRK_MAGIC_SIZE);
+    if (write_all(fd, index, index_size) || write_all(fd, foot, sizeof foot))
+        goto io_error;
+    if ((flags & FRK_COMMIT_FSYNC) && fsync(fd))
+        goto io_error;
+    if (close(fd)) {
+        fd = -1;
+        goto io_error;
+    }
+    fd = -1;
+    if (renameat(dfd, tmp, dfd, base)) {
+        rc = frk_io_fail(err, "cannot rename the new checkpoint onto", path, errno);
+        goto fail_tmp;
+    }
+    /* From here on the new file is complete and in place: a failing directory sync does not
+     * undo the save, it only leaves the rename not yet durable, and the message says so.
+     * (EINVAL: a file system that cannot sync directories, whose renames are as durable as
+     * it makes them.) */
+    if ((flags & FRK_COMMIT_FSYNC) && fsync(dfd) && errno != EINVAL) {
+        e = errno;
+        rc = frk_fail(err, FRK_EIO, e,
+                      "the new checkpoint is in place at %s, but syncing its directory failed: "
+                      "%s (errno %d); until the directory reaches the disk, a crash may bring "
+                      "back the file that was there before",
+                      path, strerror(e), e);
+    }
+    if (written)
+        *written = file_size;
+    goto out;
+
+io_error:
+    rc = frk_io_fail(err, "cannot write checkpoint", path, errno);
+fail_tmp:
+    if (fd >= 0)
+        close(fd);
+    fd = -1;
+    unlinkat(dfd, tmp, 0);
+out:
+    if (dfd >= 0)
+        close(dfd);
+    free(offsets);
+    free(index);
+    return rc;
+}
