@@ -169,7 +169,8 @@ def cmd_verify(a):
     if target.is_dir():
         print(f"{ok} ok, {bad} bad, {skipped} skipped")
         if ok + bad == 0:
-            raise Failure(f"{target}: no fastai_resume checkpoint in this folder ({skipped} other entries skipped)")
+            raise Failure(f"{target}: no fastai_resume checkpoint in this folder "
+                          f"({skipped} other {'entry' if skipped == 1 else 'entries'} skipped)")
     return 1 if bad else 0
 
 

@@ -112,7 +112,7 @@ def test_verify_of_a_named_file_that_is_not_a_valid_checkpoint_fails(kind, tmp_p
     bad = make_bad(kind, tmp_path, ckpt, vanilla)
     rc, out, err = cli("verify", bad)
     assert rc == 1 and err == ""
-    assert out == f"BAD  {bad}: {out.split(': ', 1)[1]}" and out.count("\n") == 1 and REASON[kind] in out
+    assert out.startswith(f"BAD  {bad}: ") and out.count("\n") == 1 and REASON[kind] in out
 
 
 def test_verify_of_a_missing_path_is_one_error_line(tmp_path):
@@ -160,7 +160,7 @@ def test_verify_of_a_folder_without_checkpoints_is_an_error(vanilla, tmp_path):
     (tmp_path / "b.pth").write_bytes(vanilla.read_bytes())
     rc, out, err = cli("verify", tmp_path)
     assert rc == 2 and out.splitlines()[-1] == "0 ok, 0 bad, 1 skipped"
-    assert one_error_line(err, "verify") == f"{tmp_path}: no fastai_resume checkpoint in this folder (1 other entries skipped)"
+    assert one_error_line(err, "verify") == f"{tmp_path}: no fastai_resume checkpoint in this folder (1 other entry skipped)"
 
 
 def test_inspect_shows_position_tensors_and_verification(ckpt):
