@@ -1,19 +1,84 @@
 """The command-line tool: `python -m fastai_resume` (or `fastai-resume`).
 
     inspect FILE          format, training position, tensors, RNG and loop state, checksums
-    verify FILE_OR_DIR    one line per checkpoint; exit status 1 if any is bad
+    verify FILE_OR_DIR    one line per checkpoint (OK, or BAD and what is wrong); a folder's other
+                          files are skipped, each on a SKIP line, and a summary line ends the list
     convert SRC DST       fastai_resume checkpoint -> vanilla fastai .pth (for deployment), or back
 
-Errors are one line on stderr and exit status 2.
+Exit status: 0 when all is well; 1 when `verify` finds a file that is not a valid checkpoint, or
+`inspect` a checksum that fails; 2 on an error (a missing file, a file that is not what the command
+needs, a file that cannot be written), told in one line on stderr that names the file.
+
+The tool needs neither fastai nor a GPU: it prints its output and nothing else.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import stat
 import sys
+import tempfile
 from pathlib import Path
 
-from . import io
+from . import _core, io
 from .io import CheckpointError
+
+_MAGIC_LEN = 8  # the format's magic bytes (docs/FORMAT.md): a shorter file can only be a cut checkpoint
+_ZIP = b"PK\x03\x04"  # torch.save's format (since torch 1.6), so every vanilla fastai .pth
+_TEMP = re.compile(r"^\..+\.tmp\.\d+\.\d+$")  # a commit's temporary file (csrc/format.c), in progress or killed
+
+
+class Failure(Exception):
+    "An expected user error: its message names the file and says what is wrong."
+
+
+def _head(path) -> tuple:
+    "(first bytes, size) of a regular file; never blocks on a FIFO or a device."
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise Failure(f"{path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode): raise Failure(f"{path}: is a folder, not a file")
+        if not stat.S_ISREG(st.st_mode): raise Failure(f"{path}: is not a regular file")
+        return os.pread(fd, _MAGIC_LEN, 0), st.st_size
+    finally:
+        os.close(fd)
+
+
+def _claims_format(head: bytes, size: int) -> bool:
+    "True for a file this format must read (magic bytes), or one too short to tell (a cut checkpoint)."
+    return size < _MAGIC_LEN or _core.has_magic(head)
+
+
+def _not_ours(head: bytes) -> str:
+    if head.startswith(_ZIP):
+        return ("a torch.save file (such as a vanilla fastai .pth), not a fastai_resume checkpoint "
+                "(`fastai-resume convert` turns one into the other)")
+    return "not a fastai_resume checkpoint (no magic bytes)"
+
+
+def _reason(e: Exception, path) -> str:
+    "An error's message without the path it starts with (the caller names the file)."
+    msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    if "WeightsUnpickler error:" in msg: msg = msg.split("WeightsUnpickler error:", 1)[1]  # torch's own words
+    msg = next((line.strip() for line in msg.splitlines() if line.strip()), type(e).__name__)
+    for lead in (f"{path}: ", f"{path} "):
+        if msg.startswith(lead): return msg[len(lead):]
+    return msg
+
+
+def _problem(path) -> str | None:
+    "What is wrong with `path` as a checkpoint, or None when it is complete and every checksum verifies."
+    head, size = _head(path)
+    if not _claims_format(head, size): return _not_ours(head)
+    try:
+        io.info(path, verify=True)
+    except (CheckpointError, OSError) as e:
+        return _reason(e, path)
+    return None
 
 
 def _walk(v, path=""):
@@ -28,16 +93,18 @@ def _walk(v, path=""):
 def _nbytes(ref):
     import numpy as np
     n = int(np.prod(ref.shape)) if ref.shape else 1
-    return n * int(io._core.dtype_size(ref.code))
+    return n * int(_core.dtype_size(ref.code))
 
 
 def cmd_inspect(a):
+    head, size = _head(a.file)
+    if not _claims_format(head, size): raise Failure(f"{a.file}: {_not_ours(head)}")
     info = io.info(a.file, verify=False)
     try:
         io.info(a.file, verify=True)
-        verified = "all checksums verify"
+        verified, status = "all checksums verify", 0
     except CheckpointError as e:
-        verified = f"CHECKSUM FAILURE: {e}"
+        verified, status = f"CHECKSUM FAILURE: {_reason(e, a.file)}", 1
     tree = info["tree"]
     print(f"{a.file}: fastai_resume format v{info['version']}, {info['size']:,} bytes, "
           f"{len(info['blobs'])} blobs, {len(info['tensors'])} tensors; {verified}")
@@ -59,65 +126,158 @@ def cmd_inspect(a):
         total += size
         if not a.brief: print(f"  {path:60s} {str(ref.dtype):16s} {str(list(ref.shape)):20s} {size:>12,}")
     print(f"tensors: {total:,} bytes")
+    return status
+
+
+def _scan(folder: Path):
+    "(path, None) for each checkpoint in `folder`, (path, why) for each other entry, by name."
+    for p in sorted(folder.iterdir()):
+        if _TEMP.match(p.name):
+            yield p, "a save's temporary file (a save in progress, or left by a killed one)"
+        elif p.name.endswith(".corrupt"):
+            yield p, "set aside as corrupt by autoresume"
+        else:
+            try:
+                head, size = _head(p)
+            except Failure as e:
+                yield p, _reason(e, p)
+                continue
+            # a file with the magic bytes, or named as one of ours, is a checkpoint: BAD if broken
+            yield p, (None if p.name.endswith(io.EXT) or _core.has_magic(head) else _not_ours(head))
 
 
 def cmd_verify(a):
     target = Path(a.target)
-    files = sorted(p for p in target.iterdir() if p.is_file() and p.suffix in (io.EXT, ".pth")) if target.is_dir() else [target]
-    bad = 0
-    for f in files:
-        if not io.is_checkpoint(f):
-            print(f"SKIP {f}: not a fastai_resume checkpoint")
+    if target.is_dir():
+        entries = list(_scan(target))
+    else:
+        _head(target)  # a missing path, a FIFO: an error, not a verdict
+        entries = [(target, None)]
+    ok = bad = skipped = 0
+    for f, skip in entries:
+        if skip:
+            skipped += 1
+            print(f"SKIP {f}: {skip}")
             continue
-        try:
-            io.info(f, verify=True)
-            print(f"OK   {f}")
-        except (CheckpointError, OSError) as e:
+        problem = _problem(f)
+        if problem:
             bad += 1
-            print(f"BAD  {f}: {e}")
+            print(f"BAD  {f}: {problem}")
+        else:
+            ok += 1
+            print(f"OK   {f}")
+    if target.is_dir():
+        print(f"{ok} ok, {bad} bad, {skipped} skipped")
+        if ok + bad == 0:
+            raise Failure(f"{target}: no fastai_resume checkpoint in this folder "
+                          f"({skipped} other {'entry' if skipped == 1 else 'entries'} skipped)")
     return 1 if bad else 0
 
 
-def cmd_convert(a):
+def _write_atomically(write, dst: Path):
+    "Calls write(file) on a temporary file beside `dst`, then renames it over `dst`: complete, or absent."
+    try:
+        fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.tmp.")
+    except OSError as e:
+        raise Failure(f"{dst}: cannot write: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except OSError as e:
+        os.unlink(tmp)
+        raise Failure(f"{dst}: cannot write: {e.strerror}") from None
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _vanilla_globals():
+    """What fastai's own .pth files hold besides tensors and containers: NumPy scalars (an
+    Optimizer's hyper-parameters), their dtypes, and fastcore's `L`. Nothing else is unpickled."""
+    import numpy as np
+    from fastcore.foundation import L
+    scalar = np.float64(0).__reduce__()[0]  # NumPy's scalar reconstructor, found by the public pickle protocol
+    # files written under NumPy 2 name it numpy._core..., under NumPy 1 numpy.core...
+    return [(scalar, "numpy._core.multiarray.scalar"), (scalar, "numpy.core.multiarray.scalar"), np.dtype, L,
+            *(getattr(np.dtypes, d) for d in np.dtypes.__all__)]  # the classes of the dtypes unpickled
+
+
+def _load_vanilla(src: Path, head: bytes):
+    "The state dict(s) in a torch.save file, loaded without running code from it."
     import torch
+    allowed = _vanilla_globals()
+    if head.startswith(_ZIP):
+        names = {n for x in allowed for n in ([x[1]] if isinstance(x, tuple) else [f"{x.__module__}.{x.__qualname__}"])}
+        try:
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(src)
+        except Exception as e:  # a damaged zip: torch raises what its parser meets
+            raise Failure(f"{src}: a damaged torch.save file ({_reason(e, src)})") from None
+        other = sorted(set(found) - names)
+        if other:
+            raise Failure(f"{src}: holds {', '.join(other)}, not only tensors and fastai's optimizer state; "
+                          "not loaded (convert never runs code from a file)")
+    try:
+        with torch.serialization.safe_globals(allowed):
+            st = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as e:  # whatever torch's unpickler meets in a file that is not one of its own
+        if not head.startswith(_ZIP):
+            raise Failure(f"{src}: neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file") from None
+        raise Failure(f"{src}: a torch.save file that torch.load cannot read safely ({_reason(e, src)})") from None
+    model, opt = (st["model"], st["opt"]) if isinstance(st, dict) and set(st) == {"model", "opt"} else (st, None)
+    if not (isinstance(model, dict) and model and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())):
+        raise Failure(f"{src}: a torch.save file, but not a fastai model: expected a state dict, "
+                      "or {'model': state dict, 'opt': ...} as learn.save writes")
+    return model, opt
+
+
+def cmd_convert(a):
     src, dst = Path(a.src), Path(a.dst)
-    if io.is_checkpoint(src):
+    head, size = _head(src)
+    if dst.is_dir(): raise Failure(f"{dst}: is a folder; name the file to write")
+    if not dst.parent.is_dir(): raise Failure(f"{dst}: folder {dst.parent} does not exist")
+    if dst.exists() and os.path.samefile(src, dst): raise Failure(f"{dst}: is the source file; name another file")
+    if _claims_format(head, size):
+        import torch
         tree = io.load(src)
         if not isinstance(tree, dict) or "model" not in tree:
-            raise CheckpointError(f"{src} is not a Learner checkpoint (no 'model')")
-        out = {"model": tree["model"], "opt": tree["opt"]} if "opt" in tree and not a.model_only else tree["model"]
-        torch.save(out, dst)
+            raise Failure(f"{src}: a fastai_resume file, but not a Learner checkpoint (no 'model')")
+        out = {"model": tree["model"], "opt": tree["opt"]} if tree.get("opt") is not None and not a.model_only else tree["model"]
+        _write_atomically(lambda f: torch.save(out, f), dst)
         print(f"wrote {dst} (vanilla fastai: learn.load / torch.load read it)")
     else:
-        import numpy as np
-        from fastcore.foundation import L
         from .state import plain
-        safe = [L, np.core.multiarray.scalar, np.dtype, *[getattr(np.dtypes, d) for d in np.dtypes.__all__]]
-        with torch.serialization.safe_globals(safe):
-            st = torch.load(src, map_location="cpu", weights_only=True)
-        tree = {"fastai_resume": 1, **({"model": st["model"], "opt": st["opt"]} if set(st) == {"model", "opt"} else {"model": st})}
-        io.save(plain(tree), dst)
+        model, opt = _load_vanilla(src, head)
+        tree = {"fastai_resume": 1, "model": model}
+        if opt is not None and not a.model_only: tree["opt"] = opt
+        try:
+            io.save(plain(tree), dst)
+        except TypeError as e:
+            raise Failure(f"{src}: {e}") from None
         print(f"wrote {dst} (fastai_resume format, no training position)")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="fastai-resume", description="Inspect, verify and convert fastai_resume checkpoints.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("inspect", help="what a checkpoint holds")
+    p = sub.add_parser("inspect", help="what a checkpoint holds; exit 1 if a checksum fails")
     p.add_argument("file")
     p.add_argument("--brief", action="store_true", help="no per-tensor lines")
-    p = sub.add_parser("verify", help="check every checksum; exit 1 if any file is bad")
+    p = sub.add_parser("verify", help="check every checksum; exit 1 if a file is not a valid checkpoint")
     p.add_argument("target", metavar="FILE_OR_DIR")
-    p = sub.add_parser("convert", help="fastai_resume <-> vanilla fastai .pth")
+    p = sub.add_parser("convert", help="fastai_resume <-> vanilla fastai .pth (told by content, not name)")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--model-only", action="store_true", help="write only the model's state dict")
     a = ap.parse_args(argv)
     try:
         return {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert}[a.cmd](a) or 0
-    except (CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"fastai-resume {a.cmd}: error: {msg}", file=sys.stderr)
+    except (Failure, CheckpointError, OSError) as e:
+        msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg: msg = f"{e.filename}: {msg}"
+        print(f"fastai-resume {a.cmd}: error: {msg.splitlines()[0]}", file=sys.stderr)
         return 2
 
 

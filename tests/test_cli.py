@@ -1,7 +1,15 @@
-"""The command-line tool, the demo's pieces, and the notebook (executed top to bottom)."""
+"""The command-line tool, run as a user runs it (a new process, no warning filters), the demo's
+pieces, and the notebook (executed top to bottom).
+
+The tool's contract: it prints its output and nothing else; an expected user error is one line on
+stderr that names the file and says what is wrong, with exit status 2 and no traceback; `verify`
+prints one line per file and exits 1 when a file is not a valid checkpoint.
+"""
 import os
+import random
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -13,60 +21,264 @@ from test_resume_rules import StopAt  # noqa: E402
 from trainer import build  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+ENV["PYTHONPATH"] = ROOT
 
 
-def cli(*args):
-    p = subprocess.run([sys.executable, "-m", "fastai_resume", *map(str, args)], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT))
+def cli(*args, python_opts=()):
+    p = subprocess.run([sys.executable, *python_opts, "-m", "fastai_resume", *map(str, args)],
+                       capture_output=True, text=True, env=ENV, timeout=120)
     return p.returncode, p.stdout, p.stderr
 
 
+def one_error_line(err, cmd):
+    "The message of stderr's one line, `fastai-resume CMD: error: MESSAGE` (no traceback, nothing else)."
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    prefix = f"fastai-resume {cmd}: error: "
+    assert lines[0].startswith(prefix), err
+    return lines[0][len(prefix):]
+
+
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def run(tmp_path_factory):
+    "A learner's folder holding a mid-fit checkpoint (ck.frk) and fastai's own save (vanilla.pth)."
     d = tmp_path_factory.mktemp("cli")
     learn = build(d, noise=False)
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2, cbs=StopAt(1, 10))
-    return d / "models" / "ck.frk"
+    learn.save("vanilla")  # a plain save: fastai's own torch.save file, model and optimizer
+    return d / "models"
+
+
+@pytest.fixture(scope="module")
+def ckpt(run): return run / "ck.frk"
+
+
+@pytest.fixture(scope="module")
+def vanilla(run):
+    assert (run / "vanilla.pth").read_bytes()[:4] == b"PK\x03\x04"
+    return run / "vanilla.pth"
+
+
+# The inputs a user may name by mistake: how to make each, and what the one error line must say.
+def make_bad(kind, folder, ckpt, vanilla):
+    p = folder / {"vanilla": "model.pth", "folder": "models"}.get(kind, f"{kind}.frk")
+    if kind == "empty": p.write_bytes(b"")
+    elif kind == "truncated": p.write_bytes(ckpt.read_bytes()[:4])
+    elif kind == "cut_in_half": p.write_bytes(ckpt.read_bytes()[:ckpt.stat().st_size // 2])
+    elif kind == "random": p.write_bytes(random.Random(0).randbytes(4096))
+    elif kind == "text": p.write_text("epoch train_loss valid_loss accuracy time\n0 0.31 0.22 0.93 00:01\n" * 20)
+    elif kind == "vanilla": p.write_bytes(vanilla.read_bytes())
+    elif kind == "folder": p.mkdir()
+    return p
+
+
+REASON = {
+    "missing": "No such file or directory",
+    "empty": "is 0 bytes, too short to be a checkpoint (truncated?)",
+    "truncated": "is 4 bytes, too short to be a checkpoint (truncated?)",
+    "cut_in_half": "no valid footer: the file is incomplete or truncated",
+    "random": "not a fastai_resume checkpoint (no magic bytes)",
+    "text": "not a fastai_resume checkpoint (no magic bytes)",
+    "vanilla": "a torch.save file (such as a vanilla fastai .pth), not a fastai_resume checkpoint",
+    "folder": "is a folder, not a file",
+}
+
+
+@pytest.mark.parametrize("kind", list(REASON))
+def test_inspect_of_a_file_that_is_not_a_checkpoint_is_one_error_line(kind, tmp_path, ckpt, vanilla):
+    bad = make_bad(kind, tmp_path, ckpt, vanilla)
+    rc, out, err = cli("inspect", bad)
+    assert rc == 2 and out == ""
+    msg = one_error_line(err, "inspect")
+    assert str(bad) in msg and REASON[kind] in msg
+
+
+@pytest.mark.parametrize("kind", [k for k in REASON if k != "vanilla"])  # a vanilla .pth is convert's input
+def test_convert_of_a_file_that_is_not_a_checkpoint_is_one_error_line_and_writes_nothing(kind, tmp_path, ckpt, vanilla):
+    bad = make_bad(kind, tmp_path, ckpt, vanilla)
+    before = set(os.listdir(tmp_path))
+    rc, out, err = cli("convert", bad, tmp_path / "out.pth")
+    assert rc == 2 and out == ""
+    msg = one_error_line(err, "convert")
+    reason = {"random": "neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file",
+              "text": "neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file"}.get(kind, REASON[kind])
+    assert str(bad) in msg and reason in msg
+    assert set(os.listdir(tmp_path)) == before  # no output, no temporary file
+
+
+@pytest.mark.parametrize("kind", [k for k in REASON if k not in ("missing", "folder")])
+def test_verify_of_a_named_file_that_is_not_a_valid_checkpoint_fails(kind, tmp_path, ckpt, vanilla):
+    bad = make_bad(kind, tmp_path, ckpt, vanilla)
+    rc, out, err = cli("verify", bad)
+    assert rc == 1 and err == ""
+    assert out.startswith(f"BAD  {bad}: ") and out.count("\n") == 1 and REASON[kind] in out
+
+
+def test_verify_of_a_missing_path_is_one_error_line(tmp_path):
+    rc, out, err = cli("verify", tmp_path / "ckpt.frk")
+    assert rc == 2 and out == ""
+    assert one_error_line(err, "verify") == f"{tmp_path / 'ckpt.frk'}: No such file or directory"
+
+
+def test_verify_of_a_good_checkpoint_is_one_ok_line(ckpt):
+    rc, out, err = cli("verify", ckpt)
+    assert (rc, out, err) == (0, f"OK   {ckpt}\n", "")
+
+
+def test_verify_of_a_folder_checks_checkpoints_skips_other_files_and_sums_up(ckpt, vanilla, tmp_path):
+    (tmp_path / "good.frk").write_bytes(ckpt.read_bytes())
+    (tmp_path / "good-too.pth").write_bytes(ckpt.read_bytes())  # our format, told by content not name
+    flipped = bytearray(ckpt.read_bytes())
+    flipped[200] ^= 1
+    (tmp_path / "flipped.frk").write_bytes(bytes(flipped))
+    (tmp_path / "cut.frk").write_bytes(ckpt.read_bytes()[:4])  # named as ours: a broken checkpoint, not a stranger
+    (tmp_path / "vanilla.pth").write_bytes(vanilla.read_bytes())
+    (tmp_path / "notes.txt").write_text("lr 1e-3\n" * 10)
+    (tmp_path / f".auto-f000-e000001-i0000000010.frk.tmp.{os.getpid()}.0").write_bytes(ckpt.read_bytes()[:300])
+    (tmp_path / "sub").mkdir()
+    os.mkfifo(tmp_path / "pipe.frk")  # opening it for reading would block: it is never opened
+    rc, out, err = cli("verify", tmp_path)
+    assert rc == 1 and err == ""
+    lines = out.splitlines()
+    assert lines[-1] == "2 ok, 2 bad, 5 skipped"
+    status = {line.split()[1].rstrip(":").rsplit("/", 1)[1]: line.split()[0] for line in lines[:-1]}
+    assert status == {"good.frk": "OK", "good-too.pth": "OK", "flipped.frk": "BAD", "cut.frk": "BAD",
+                      "vanilla.pth": "SKIP", "notes.txt": "SKIP", "sub": "SKIP", "pipe.frk": "SKIP",
+                      f".auto-f000-e000001-i0000000010.frk.tmp.{os.getpid()}.0": "SKIP"}
+    assert f"BAD  {tmp_path / 'flipped.frk'}: " in out and "checksum" in out.lower()
+
+
+def test_verify_of_a_folder_of_good_checkpoints_exits_0(ckpt, vanilla, tmp_path):
+    (tmp_path / "a.frk").write_bytes(ckpt.read_bytes())
+    (tmp_path / "b.pth").write_bytes(vanilla.read_bytes())
+    rc, out, err = cli("verify", tmp_path)
+    assert rc == 0 and err == "" and out.splitlines()[-1] == "1 ok, 0 bad, 1 skipped"
+
+
+def test_verify_of_a_folder_without_checkpoints_is_an_error(vanilla, tmp_path):
+    (tmp_path / "b.pth").write_bytes(vanilla.read_bytes())
+    rc, out, err = cli("verify", tmp_path)
+    assert rc == 2 and out.splitlines()[-1] == "0 ok, 0 bad, 1 skipped"
+    assert one_error_line(err, "verify") == f"{tmp_path}: no fastai_resume checkpoint in this folder (1 other entry skipped)"
 
 
 def test_inspect_shows_position_tensors_and_verification(ckpt):
-    rc, out, _ = cli("inspect", ckpt)
-    assert rc == 0
+    rc, out, err = cli("inspect", ckpt)
+    assert rc == 0 and err == ""
     assert "all checksums verify" in out and "epoch 1 of 3, 10 of 46 training batches done" in out
     assert "model.0.weight" in out and "torch.float32" in out and "[128, 64]" in out
 
 
-def test_verify_reports_each_file_and_fails_on_a_bad_one(ckpt, tmp_path):
-    good = tmp_path / "good.frk"
-    good.write_bytes(ckpt.read_bytes())
+def test_inspect_of_a_checkpoint_with_a_bad_checksum_shows_it_and_exits_1(ckpt, tmp_path):
     data = bytearray(ckpt.read_bytes())
     data[200] ^= 1
-    (tmp_path / "bad.frk").write_bytes(bytes(data))
-    rc, out, _ = cli("verify", good)
-    assert rc == 0 and out.startswith("OK")
-    rc, out, _ = cli("verify", tmp_path)
-    assert rc == 1 and "BAD" in out and "bad.frk" in out and "OK   " in out
-
-
-def test_errors_are_one_line_not_a_traceback(tmp_path):
-    (tmp_path / "junk.frk").write_bytes(b"\x89FRK\r\n\x1a\n" + b"\x00" * 10)
-    rc, out, err = cli("inspect", tmp_path / "junk.frk")
-    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1 and "too short" in err
-    rc, _, err = cli("inspect", tmp_path / "missing.frk")
-    assert rc == 2 and "No such file" in err and "Traceback" not in err
+    (tmp_path / "flipped.frk").write_bytes(bytes(data))
+    rc, out, err = cli("inspect", tmp_path / "flipped.frk")
+    assert rc == 1 and err == ""
+    assert "CHECKSUM FAILURE" in out.splitlines()[0] and "model.0.weight" in out
 
 
 def test_convert_to_vanilla_pth_and_back(ckpt, tmp_path):
     rc, out, err = cli("convert", ckpt, tmp_path / "deploy.pth")
-    assert rc == 0, err
+    assert (rc, err) == (0, "") and out.startswith(f"wrote {tmp_path / 'deploy.pth'}")
+    assert [p.name for p in tmp_path.iterdir()] == ["deploy.pth"]  # no temporary file left
     learn = build(tmp_path, noise=False)
     learn.load(tmp_path / "deploy")  # fastai's own loader
     ref = fr.load(ckpt)["model"]
     assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in ref.items())
     rc, _, err = cli("convert", tmp_path / "deploy.pth", tmp_path / "back.frk")
-    assert rc == 0, err
+    assert (rc, err) == (0, "")
     back = fr.load(tmp_path / "back.frk")
     assert all(torch.equal(v, back["model"][k]) for k, v in ref.items()) and "train" not in back
+
+
+def test_convert_of_a_vanilla_fastai_save_keeps_model_and_optimizer_state(vanilla, tmp_path):
+    rc, _, err = cli("convert", vanilla, tmp_path / "v.frk")
+    assert (rc, err) == (0, "")
+    ref = torch.load(vanilla, weights_only=False)  # (a file this test wrote itself)
+    got = fr.load(tmp_path / "v.frk")
+    assert all(torch.equal(v, got["model"][k]) for k, v in ref["model"].items())
+    assert got["opt"]["hypers"] == [{k: float(v) for k, v in h.items()} for h in ref["opt"]["hypers"]]
+    assert type(ref["opt"]["hypers"][0]["lr"]).__module__ == "numpy"  # what the safe load had to allow
+    n = sum(isinstance(v, torch.Tensor) for s in ref["opt"]["state"] for v in s.values())
+    assert n > 0 and n == sum(isinstance(v, torch.Tensor) for s in got["opt"]["state"] for v in s.values())
+
+
+def test_convert_reads_a_pth_written_under_numpy_1(vanilla, tmp_path):
+    "NumPy 1 pickled its scalars as numpy.core.multiarray.scalar; NumPy 2 as numpy._core.multiarray.scalar."
+    old = tmp_path / "numpy1.pth"
+    with zipfile.ZipFile(vanilla) as src, zipfile.ZipFile(old, "w", zipfile.ZIP_STORED) as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("data.pkl"):
+                assert b"numpy._core.multiarray\nscalar" in data
+                data = data.replace(b"numpy._core.multiarray\nscalar", b"numpy.core.multiarray\nscalar")
+            dst.writestr(item, data)
+    assert "numpy.core.multiarray.scalar" in torch.serialization.get_unsafe_globals_in_checkpoint(old)
+    rc, _, err = cli("convert", old, tmp_path / "v.frk")
+    assert (rc, err) == (0, "")
+    assert fr.load(tmp_path / "v.frk")["opt"]["hypers"][0]["lr"] == float(torch.load(vanilla, weights_only=False)["opt"]["hypers"][0]["lr"])
+
+
+class _Payload:
+    def __init__(self, marker): self.marker = marker
+    def __reduce__(self): return (os.system, (f"touch {self.marker}",))
+
+
+def test_convert_never_runs_code_from_a_pth(tmp_path):
+    marker = tmp_path / "ran"
+    hostile = tmp_path / "hostile.pth"
+    torch.save({"model": {"w": torch.ones(2)}, "opt": _Payload(marker)}, hostile)
+    rc, out, err = cli("convert", hostile, tmp_path / "out.frk")
+    assert rc == 2 and out == "" and not marker.exists() and not (tmp_path / "out.frk").exists()
+    msg = one_error_line(err, "convert")
+    assert msg.startswith(f"{hostile}: holds posix.system, not only tensors") and "not loaded" in msg
+
+
+def test_convert_model_only_drops_the_optimizer_both_ways(ckpt, vanilla, tmp_path):
+    assert cli("convert", "--model-only", ckpt, tmp_path / "m.pth")[0] == 0
+    sd = torch.load(tmp_path / "m.pth", weights_only=True)
+    assert set(sd) == set(fr.load(ckpt)["model"])  # a bare state dict
+    assert cli("convert", "--model-only", vanilla, tmp_path / "m.frk")[0] == 0
+    assert set(fr.load(tmp_path / "m.frk")) == {"fastai_resume", "model"}
+
+
+def test_convert_refuses_files_that_hold_no_model(tmp_path):
+    fr.save({"losses": [1.0, 2.0]}, tmp_path / "tree.frk")
+    torch.save([torch.ones(2)], tmp_path / "list.pth")
+    rc, _, err = cli("convert", tmp_path / "tree.frk", tmp_path / "o.pth")
+    assert rc == 2 and one_error_line(err, "convert") == f"{tmp_path / 'tree.frk'}: a fastai_resume file, but not a Learner checkpoint (no 'model')"
+    rc, _, err = cli("convert", tmp_path / "list.pth", tmp_path / "o.frk")
+    assert rc == 2 and "a torch.save file, but not a fastai model" in one_error_line(err, "convert")
+
+
+def test_convert_to_a_bad_destination_is_one_error_line(ckpt, tmp_path):
+    for dst, reason in [(tmp_path / "no" / "o.pth", f"folder {tmp_path / 'no'} does not exist"),
+                        (tmp_path, "is a folder; name the file to write"), (ckpt, "is the source file; name another file")]:
+        rc, out, err = cli("convert", ckpt, dst)
+        assert rc == 2 and out == "" and one_error_line(err, "convert") == f"{dst}: {reason}"
+    assert fr.load(ckpt)["model"]  # the source is untouched
+
+
+def test_the_cli_prints_its_output_and_nothing_else(ckpt, vanilla, tmp_path):
+    "No warning of any kind (turned into errors here), and fastai is never imported."
+    runs = [("inspect", ckpt), ("verify", ckpt.parent), ("convert", ckpt, tmp_path / "a.pth"),
+            ("convert", vanilla, tmp_path / "b.frk")]
+    for args in runs:
+        rc, out, err = cli(*args, python_opts=("-W", "error", "-X", "importtime"))
+        imported = [line.rsplit("|", 1)[1].strip() for line in err.splitlines() if line.startswith("import time:")]
+        assert rc == 0 and out, (args, err)
+        assert [line for line in err.splitlines() if not line.startswith("import time:")] == [], args
+        assert "torch" in imported and not [m for m in imported if m.split(".")[0] == "fastai"], args
+
+
+def test_the_installed_script_is_as_quiet(ckpt, tmp_path):
+    "`fastai-resume` as pip writes it: imports main from the package and exits with its status."
+    script = tmp_path / "fastai-resume"
+    script.write_text("import sys\nfrom fastai_resume.__main__ import main\nsys.exit(main())\n")
+    p = subprocess.run([sys.executable, str(script), "verify", str(ckpt)], capture_output=True, text=True, env=ENV)
+    assert (p.returncode, p.stdout, p.stderr) == (0, f"OK   {ckpt}\n", "")
 
 
 def test_the_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
