@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 
-__all__ = ["after_import"]
+__all__ = ["after_import", "imported"]
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -38,9 +38,17 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def imported(name: str) -> bool:
+    "Is module `name` imported and done executing (not in the middle of its own import)?"
+    mod = sys.modules.get(name)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
+
+
 def after_import(name: str, then) -> None:
-    "Call `then()` now if module `name` is imported, else right after its import (once; idempotent per name)."
-    if name in sys.modules:
+    """Call `then()` now if module `name` is imported, else right after its import (once; idempotent per
+    name). A module in the middle of its import gets it from a hook installed before its import began."""
+    if imported(name):
         then()
+    elif name in sys.modules: return
     elif not any(type(f).__name__ == "_AfterImport" and f.name == name for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport(name, then))

@@ -52,6 +52,16 @@ def build_tree(learn, with_opt=True, with_iter=False) -> dict | None:
     return tree
 
 
+def cloned(tree):
+    "`tree` with every tensor and array copied (what a live object may change in place stays apart)."
+    if isinstance(tree, torch.Tensor): return tree.clone()
+    if isinstance(tree, np.ndarray): return tree.copy()
+    if isinstance(tree, dict): return {k: cloned(v) for k, v in tree.items()}
+    if isinstance(tree, list): return [cloned(v) for v in tree]
+    if isinstance(tree, tuple): return tuple(cloned(v) for v in tree)
+    return tree
+
+
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.\d+$")
 
 

@@ -148,6 +148,17 @@ class _SkippedIdxs(list):
     def __reduce__(self): return (list, (list(self),))  # workers get a plain list
 
 
+class _HookedIter:
+    "An iterable that calls a hook when first iterated."
+    def __init__(self, it, hook): self.it, self.hook = it, hook
+
+    def __iter__(self):
+        if self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return iter(self.it)
+
+
 class _SkipBatchSampler:
     "A PyTorch batch sampler whose next iteration drops its first k index lists (indices only)."
     def __init__(self, inner, k, on_skipped, put_back):
@@ -166,32 +177,38 @@ class _SkipBatchSampler:
 
 def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = "") -> str:
     """Make the next epoch of `dl` start at batch `k`, calling `on_skipped()` once the skipped part is
-    behind (when the first kept item is about to be made). Returns how the skip is done. A fastai
-    `DistributedDL` is cut itself (its index list is this rank's shard), not the loader it wraps."""
+    behind (when the loader first reads its index list, before the first kept item is made and after the
+    loader's own draws at the epoch's start). Returns how the skip is done. A fastai `DistributedDL` is
+    cut itself (its index list is this rank's shard), not the loader it wraps. A stream with state
+    continues from its loaded state (nothing is cut); with `fast_forward`, `all_batches` reads and
+    discards k batches, then calls `on_skipped` itself."""
+    cut = k
+    how = "index list" if is_fastai(dl) else "batch sampler"
     if is_stream(dl):
-        if has_state(dl):
-            on_skipped()
-            return "stream state"
-        if not fast_forward:
-            raise StreamNotResumable(
-                f"cannot resume {where}mid-epoch exactly: the training DataLoader reads a stream "
-                f"({type(getattr(dl, 'dataset', dl)).__name__}) that has no state_dict()/load_state_dict(), so "
-                f"where it was after {k} batches is unknown. Options: give the dataset (or use a loader with) "
-                "state_dict()/load_state_dict() (torchdata's StatefulDataLoader, or your own two methods), and "
-                "the resume is exact without re-reading; or load with fast_forward=True (learn.load(..., "
-                "fast_forward=True) / AutoCheckpoint(fast_forward=True)) to read and discard the skipped "
-                "batches; or fit with start_iter=0 to restart the epoch.")
-        return "fast-forward"
+        if not has_state(dl):
+            if not fast_forward:
+                raise StreamNotResumable(
+                    f"cannot resume {where}mid-epoch exactly: the training DataLoader reads a stream "
+                    f"({type(getattr(unwrap_dl(dl), 'dataset', dl)).__name__}) that has no state_dict()/"
+                    f"load_state_dict(), so where it was after {k} batches is unknown. Options: give the dataset "
+                    "(or use a loader with) state_dict()/load_state_dict() (torchdata's StatefulDataLoader, or "
+                    "your own two methods), and the resume is exact without re-reading; or load with "
+                    "fast_forward=True (learn.load(..., fast_forward=True) / AutoCheckpoint(fast_forward=True)) to "
+                    "read and discard the skipped batches; or fit with start_iter=0 to restart the epoch.")
+            return "fast-forward"
+        cut, how = 0, "stream state"
     if is_fastai(dl):
         get_idxs = dl.get_idxs
         bs = dl.bs or 1
 
         def skipped_idxs():
             del dl.get_idxs  # one epoch only: back to the class's method
-            if is_distributed_dl(dl): dl.i = k * bs  # its count of this rank's items
-            return _SkippedIdxs(get_idxs()[k * bs:], on_skipped)
+            if is_distributed_dl(dl): dl.i = cut * bs  # its count of this rank's items
+            idxs = get_idxs()
+            if not isinstance(idxs, list): return _HookedIter(idxs, on_skipped)  # a stream of unknown length
+            return _SkippedIdxs(idxs[cut * bs:] if cut else idxs, on_skipped)
         dl.get_idxs = skipped_idxs
-        return "index list"
+        return how
     if is_torch(dl):
         if dl.batch_sampler is None:
             raise ValueError(f"cannot resume {where}mid-epoch: this PyTorch DataLoader has no batch sampler "
@@ -199,8 +216,8 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
         inner = dl.batch_sampler
 
         def put_back(): object.__setattr__(dl, "batch_sampler", inner)
-        object.__setattr__(dl, "batch_sampler", _SkipBatchSampler(inner, k, on_skipped, put_back))
-        return "batch sampler"
+        object.__setattr__(dl, "batch_sampler", _SkipBatchSampler(inner, cut, on_skipped, put_back))
+        return how
     raise ValueError(f"cannot resume {where}mid-epoch: {type(dl).__name__} is neither a fastai nor a PyTorch "
                      "DataLoader; fit with start_iter=0 to restart the epoch")
 

@@ -27,7 +27,7 @@ from fastcore.foundation import L
 from fastcore.meta import delegates
 
 from . import _core, checkpoint, dist, io, loaders, paths, state
-from ._hooks import after_import
+from ._hooks import imported
 from .io import CheckpointError
 from .session import Armed, ResumeSession, script, session_of, stage_call
 
@@ -73,7 +73,8 @@ def _run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_
     if not resume: sc.disarm("resume=False")
     a = sc.armed
     if a is not None and not explicit:
-        if st.skip_all or fit_index < a.position["fit_index"]:
+        if st.skip_all: return  # the whole stage is done (Stage.begin said so)
+        if fit_index < a.position["fit_index"]:
             print(f"fastai_resume: skipping fit {fit_index} of stage {st.index} (finished before the save)")
             return
     saved = a.train if a is not None else None
@@ -213,7 +214,9 @@ def load(self: Learner, file, device=None, resume=True, fast_forward=False, **kw
     if inside: return self
     if resume and train is not None:
         if sc.armed is not None and sc.armed.path != path: print(f"fastai_resume: {path} replaces the armed {sc.armed.path}")
-        sc.armed = Armed(train, path, tree.get("opt"), fast_forward)
+        # the optimizer now uses the tree's tensors in place: the resume keeps its own copy (lr_find, or any
+        # training before the resumed stage, must not change what the resume restores)
+        sc.armed = Armed(train, path, checkpoint.cloned(tree.get("opt")), fast_forward)
     elif sc.armed is not None:
         sc.disarm(f"learn.load({str(file)!r}) loads {'without resuming' if train is not None else 'a file saved outside a fit'}")
     return self
@@ -278,7 +281,7 @@ def _patch_schedule() -> None:
 def apply() -> None:
     "Once per process: the lazy Recorder losses, and the fit wrappers as soon as fastai defines them."
     state.install_lazy_losses()
-    after_import("fastai.callback.schedule", _patch_schedule)
+    if imported("fastai.callback.schedule"): _patch_schedule()  # else `fastai_resume/__init__`'s hook does it
 
 
 apply()

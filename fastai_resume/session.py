@@ -27,9 +27,6 @@ from fastai.callback.core import Callback
 from . import _core, dist, loaders, state
 from .io import CheckpointError
 
-if not hasattr(_core, "STEP_SKIP"):  # TEMP until the ccore branch lands (it exports these)
-    _core.STEP_RUN, _core.STEP_SKIP, _core.STEP_RESUME, _core.RNG_NONE, _core.RNG_SAVED, _core.RNG_EPOCH_START = 0, 1, 2, 0, 1, 2
-
 __all__ = ["Script", "Armed", "Stage", "ResumeSession", "script", "session_of", "InBatchSave"]
 
 _VALIDATION_EVENTS = {"before_validate", "after_validate", "after_cancel_validate"}
@@ -340,6 +337,7 @@ class ResumeSession(Callback):
             learn.pct_train = (self.epoch * n_iter + k) / (n_iter * n_epoch)
         how = ""
         if sv is not None and k and sv.get("modules"): state.set_module_states(learn.model, sv["modules"])
+        if sv is not None and k and sv["recorder"] is not None: state.set_train_metrics(learn, sv["recorder"])
         if k:
             if sv is not None and loaders.is_stream(self.dls.train) and loaders.has_state(self.dls.train):
                 loaders.restore(self.dls.train, sv["loaders_now"][0])  # the stream continues from where it was

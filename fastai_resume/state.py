@@ -135,9 +135,6 @@ def set_recorder_state(learn, st: dict) -> None:
     else: rec.losses = list(losses)
     rec.values = [L(v) for v in st["values"]]
     rec.smooth_loss.count, rec.smooth_loss.val = st["smooth_count"], st["smooth_val"]
-    for m, ms in zip(_train_metrics(rec), st.get("train_metrics", [])):
-        for k, v in ms.items():
-            if k in _METRIC_FIELDS: m.__dict__[k] = list(v) if isinstance(v, (list, tuple)) else v
     if rec.smooth_loss.count: learn.smooth_loss = rec.smooth_loss.value
     if rec.values: learn.final_record = rec.values[-1].copy()
 
@@ -166,6 +163,14 @@ def set_module_states(model, states: dict) -> None:
             if isinstance(v, (list, tuple)): return type(v)(to(x) for x in v)
             raise CheckpointError(f"model state {name!r}: {type(v).__name__} in its hidden state")
         m.hidden, m.bs = [to(h) for h in st["hidden"]], int(st["bs"])
+
+
+def set_train_metrics(learn, st: dict) -> None:
+    """The running train-metric accumulators of a resumed epoch (after the Recorder's `before_train`
+    has reset them for the epoch)."""
+    for m, ms in zip(_train_metrics(learn.recorder), st.get("train_metrics", [])):
+        for k, v in ms.items():
+            if k in _METRIC_FIELDS: m.__dict__[k] = list(v) if isinstance(v, (list, tuple)) else v
 
 
 def cb_key(cbs, cb) -> str:

@@ -303,6 +303,7 @@ def test_two_threads_waiting_for_one_background_commit_both_get_its_result(tmp_p
     for t in threads: t.start()
     for t in threads: t.join(60)
     assert len(results) == 3 and len(set(results)) == 1
+    assert w.wait() == results[0]  # a waiter that comes after the join gets the same result
     assert results[0] == (tmp_path / "t.frk").stat().st_size and w.done
     assert torch.equal(fr.load(tmp_path / "t.frk")["w"], big)
     with pytest.raises(RuntimeError, match="already been committed"):

@@ -156,7 +156,6 @@ def build(a):
                               nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
         splitter, loss = (lambda m: [list(m[0].parameters()), list(m[3].parameters()), list(m[7].parameters())]), CrossEntropyLossFlat()
         kw["metrics"] = accuracy
-    if a.train_metrics: kw["cbs"] = []
     learn = Learner(dls, model, loss_func=loss, splitter=splitter, wd=0.01, cbs=cbs, path=a.path, **kw)
     if a.train_metrics: learn.recorder.train_metrics = True
     return learn

@@ -1,0 +1,197 @@
+"""Trust under attack and accident: a checkpoint with valid checksums but hostile or malformed content
+never runs code, never half-loads a learner and never explodes later in `fit`; AutoCheckpoint never
+touches another run's files, refuses a second process on its run, and never takes a transient error
+for corruption."""
+import errno
+import os
+import pickle
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastai_resume as fr
+from fastai.callback.tracker import SaveModelCallback
+from procs import ENV, equal
+from test_resume_rules import StopAt, fit
+from trainer import build
+
+
+@pytest.fixture(scope="module")
+def mid_fit(tmp_path_factory):
+    "A real checkpoint saved mid-fit (epoch 1, batch 10), and the folder it is in."
+    d = tmp_path_factory.mktemp("trust")
+    learn = build(d, noise=False, extra_cbs=[SaveModelCallback(monitor="valid_loss", fname="best")])
+    fit(learn, 3, 1e-2, cbs=StopAt(1, 10))
+    return d, fr.load(d / "models" / "ck.frk")
+
+
+def resealed(d, tree, name):
+    "The tree written as a checkpoint with valid checksums: only its content is hostile."
+    fr.save(tree, d / "models" / f"{name}.frk")
+    return name
+
+
+class Payload:
+    "Unpickling it creates a marker file: proof that code ran."
+    def __init__(self, marker): self.marker = marker
+    def __reduce__(self): return (open, (self.marker, "w"))
+
+
+def test_callback_state_cannot_steer_fastai_into_unpickling_a_file(mid_fit, tmp_path):
+    d, tree = mid_fit
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pth"
+    with open(evil, "wb") as f: pickle.dump(Payload(str(marker)), f)
+    (evil.parent / "evil.pth").touch()
+    for cb in tree["train"]["callbacks"].values():
+        cb.update(fname=str(evil.with_suffix("")), with_opt=True, every_epoch=True, monitor="accuracy")
+    name = resealed(d, tree, "steer")
+    learn = build(d, noise=False, extra_cbs=[SaveModelCallback(monitor="valid_loss", fname="best")])
+    learn.load(name)
+    fit(learn, 3, 1e-2)
+    assert not marker.exists()
+    assert learn.save_model.fname == "best" and learn.save_model.monitor == "valid_loss"
+
+
+def test_a_wrong_type_for_a_known_callback_field_is_refused(mid_fit):
+    d, tree = mid_fit
+    next(iter(tree["train"]["callbacks"].values()))["wait"] = "3"
+    learn = build(d, noise=False, extra_cbs=[SaveModelCallback(monitor="valid_loss", fname="best")])
+    learn.load(resealed(d, tree, "badwait"))
+    with pytest.raises(fr.CheckpointError, match="wait: str in the file"):
+        fit(learn, 3, 1e-2)
+
+
+@pytest.mark.parametrize("bad", ["numpy", "dtype"])
+def test_a_model_entry_of_the_wrong_type_leaves_model_and_optimizer_untouched(mid_fit, bad):
+    d, tree = mid_fit
+    keys = list(tree["model"])
+    tree["model"][keys[-1]] = tree["model"][keys[-1]].numpy() if bad == "numpy" else tree["model"][keys[-1]].to(torch.int32)
+    learn = build(d, noise=False)
+    fit(learn, 1, 1e-2)
+    model, opt = {k: v.clone() for k, v in learn.model.state_dict().items()}, fr.state.plain(learn.opt.state_dict())
+    with pytest.raises(fr.CheckpointError, match="does not fit this learner's model"):
+        learn.load(resealed(d, tree, "half"))
+    assert equal(model, learn.model.state_dict()) and equal(opt, fr.state.plain(learn.opt.state_dict()))
+
+
+@pytest.mark.parametrize("where, value, field", [
+    (("position", "epoch"), "1", "train.position.epoch"),
+    (("position", "iter"), 10 ** 6, "train.position"),
+    (("hypers",), {"lr": 1}, "train.hypers"),
+    (("position",), {}, "train.position"),
+    (("rng", "torch"), [1, 2], "train.rng.torch"),
+    (("recorder", "lrs"), torch.zeros(4), "train.recorder.lrs"),
+    (("stages",), [], "train.stages"),
+])
+def test_a_malformed_training_state_is_refused_at_load_naming_the_field(mid_fit, where, value, field):
+    d, tree = mid_fit
+    node = tree["train"]
+    for k in where[:-1]: node = node[k]
+    node[where[-1]] = value
+    learn = build(d, noise=False)
+    with pytest.raises(fr.CheckpointError, match=f"malformed training state: {field}"):
+        learn.load(resealed(d, tree, "malformed"))
+    assert fr.session.script(learn).armed is None
+
+
+def _mutations(tree, rng, n):
+    "n copies of the training state, each with one node replaced by a value of another kind, or removed."
+    import copy
+    paths = []
+
+    def walk(v, p):
+        paths.append(p)
+        if isinstance(v, dict):
+            for k, x in v.items(): walk(x, p + (k,))
+        elif isinstance(v, (list, tuple)) and len(v) < 50:
+            for i, x in enumerate(v): walk(x, p + (i,))
+    walk(tree["train"], ())
+    others = [None, -1, 2 ** 40, 1.5, "x", b"\0", [], {}, (), torch.zeros(3), torch.zeros(2, dtype=torch.uint8)]
+    for _ in range(n):
+        t = copy.deepcopy(tree)
+        p = rng.choice(paths[1:])
+        node = t["train"]
+        for k in p[:-1]: node = node[k]
+        if isinstance(node, tuple): continue
+        if rng.random() < 0.2 and isinstance(node, dict): del node[p[-1]]
+        else: node[p[-1]] = rng.choice(others)
+        yield p, t
+
+
+def test_structure_aware_fuzz_of_the_training_state_never_fails_later_than_load(mid_fit):
+    d, tree = mid_fit
+    rng = random.Random(0)
+    fits = 0
+    for i, (p, t) in enumerate(_mutations(tree, rng, 120)):
+        learn = build(d, noise=False)
+        try: learn.load(resealed(d, t, "fuzz"))
+        except fr.CheckpointError: continue
+        if fits < 8:  # what load accepted must train (a mutation it could not see matters to nothing)
+            fits += 1
+            try: fit(learn, 3, 1e-2)
+            except fr.CheckpointError: pass
+            except Exception as e: raise AssertionError(f"mutation at {p} passed load, then fit failed: {e!r}")
+
+
+AUTO = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import fastai_resume
+from fastai.callback.core import Callback
+from trainer import build
+class Slow(Callback):
+    def after_batch(self): time.sleep({sleep})
+learn = build({path!r}, noise=False, extra_cbs=[fastai_resume.AutoCheckpoint(every_iters=10, keep=2), Slow()])
+with learn.no_bar(): learn.fit_one_cycle({epochs}, {lr})
+print("trained", len(learn.recorder.losses))
+"""
+
+
+def auto(path, lr=1e-2, epochs=2, sleep=0.0, wait=True):
+    code = AUTO.format(tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), lr=lr, epochs=epochs, sleep=sleep)
+    p = subprocess.Popen([sys.executable, "-c", code], env=dict(ENV, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    if not wait: return p
+    out = p.communicate(timeout=900)[0]
+    return p.returncode, out
+
+
+def test_autoresume_never_takes_or_deletes_another_runs_files(tmp_path):
+    rc, out = auto(tmp_path, lr=1e-2)
+    assert rc == 0 and "trained 92" in out
+    theirs = sorted((tmp_path / "models").glob("auto-*.frk"))
+    assert len(theirs) == 2
+    before = {p: p.read_bytes() for p in theirs}
+    rc, out = auto(tmp_path, lr=3e-3)  # the same model, another learning rate: another run
+    assert rc == 0 and "AutoCheckpoint: found" not in out and "trained 92" in out
+    assert all(p.read_bytes() == b for p, b in before.items())
+    assert len(list((tmp_path / "models").glob("auto-*.frk"))) == 4
+
+
+def test_a_second_launch_on_the_same_run_is_refused_and_the_first_finishes(tmp_path):
+    first = auto(tmp_path, epochs=2, sleep=0.02, wait=False)
+    for line in first.stdout:
+        if line.startswith("fastai") or "epoch" in line or line.startswith("["): break
+    rc, out = auto(tmp_path, epochs=2)
+    assert rc != 0 and "is already training this run" in out
+    rest = first.communicate(timeout=900)[0]
+    assert first.returncode == 0 and "trained 92" in rest, rest
+    assert not list((tmp_path / "models").glob(".*.tmp.*"))
+
+
+def test_a_transient_error_at_autoresume_is_raised_and_never_renames_good_files(tmp_path, monkeypatch):
+    rc, _ = auto(tmp_path, epochs=1)
+    assert rc == 0
+    files = sorted((tmp_path / "models").glob("auto-*.frk"))
+    learn = build(tmp_path, noise=False, extra_cbs=[fr.AutoCheckpoint(every_iters=10, keep=2)])
+
+    def emfile(*a, **k): raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(fr.io, "info", emfile)
+    with pytest.raises(OSError, match="Too many open files"):
+        fit(learn, 1, 1e-2)
+    assert sorted((tmp_path / "models").glob("auto-*.frk")) == files
+    assert not list((tmp_path / "models").glob("*.corrupt"))
