@@ -162,7 +162,8 @@ static int cpu_has_hw(void) { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
 static uint32_t (*raw_impl)(uint32_t, const unsigned char *, size_t);
 static const char *impl_name = "portable";
 
-/* Runs before main (and before any thread of ours), so no lock is needed. */
+/* Runs when the code is loaded (before main for the C tests, while the extension module is
+ * being imported for Python), before any thread can call it, so no lock is needed. */
 __attribute__((constructor)) static void crc32c_init(void)
 {
     make_tables();

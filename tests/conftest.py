@@ -1,13 +1,13 @@
+"""Shared fixtures. The tests import their helpers (`procs`, `trainer`, `workloads`) from this folder
+and the package from the checkout; warnings are filtered in pyproject.toml, per source, so the
+package's own warnings reach the tests."""
 import os
 import sys
-import warnings
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-warnings.filterwarnings("ignore", category=FutureWarning)
-warnings.filterwarnings("ignore", category=UserWarning)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 
 @pytest.fixture(scope="session")

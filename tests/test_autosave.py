@@ -11,9 +11,8 @@ import pytest
 
 import fastai_resume as fr
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import ENV, N_ITER, assert_same_run, reference, run, start, trainer_cmd, wait_for_line  # noqa: E402
-from trainer import build  # noqa: E402
+from procs import ENV, N_ITER, assert_same_run, reference, run, start, trainer_cmd, wait_for_line
+from trainer import build
 
 STATE = ("--epochs", "2", "--ballast-mb", "8")  # a bigger state: saves take long enough to be hit
 AUTO = STATE + ("--auto", "4", "--slow-ms", "10")

@@ -16,9 +16,8 @@ import torch
 
 import fastai_resume as fr
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_resume_rules import StopAt  # noqa: E402
-from trainer import build  # noqa: E402
+from test_resume_rules import StopAt
+from trainer import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}

@@ -16,8 +16,7 @@ import torch
 
 import fastai_resume as fr
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import ENV, HERE, equal, start, wait_for_line  # noqa: E402
+from procs import ENV, HERE, equal, start, wait_for_line
 
 N_ITER = 23  # per rank: 1500 digits split over 2 ranks, bs 32, drop_last
 BS = 32

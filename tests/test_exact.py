@@ -6,11 +6,10 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fastai_resume as fr
 
-from procs import N_ITER, assert_same_run, equal, reference, run  # noqa: E402
+from procs import N_ITER, assert_same_run, equal, reference, run
 
 
 def crash_and_resume(tmp_path, die_at, *args, resume_args=()):

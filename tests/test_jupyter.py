@@ -25,11 +25,12 @@ from fastai.basics import *
 set_seed(42)
 X, y = load_digits(return_X_y=True)
 items = list(zip(torch.tensor(X / 16.0, dtype=torch.float32), torch.tensor(y)))
-def slow(item):
+items = [(x, int(t)) for x, t in items]
+def noisy(x):
     time.sleep(float(os.environ.get("ITEM_SLEEP", "0")))
-    return item[0] + 0.05 * torch.randn(64), item[1]
-dls = DataLoaders(DataLoader(items[:1500], bs=32, shuffle=True, drop_last=True, after_item=slow),
-                  DataLoader(items[1500:], bs=128), device="cpu"{dls_kw})
+    return x + 0.05 * torch.randn(64)
+dls = DataBlock(blocks=(TransformBlock, CategoryBlock), get_x=lambda o: noisy(o[0]), get_y=ItemGetter(1),
+                splitter=IndexSplitter(range(1500, 1797))).dataloaders(items, bs=32, device="cpu"{dls_kw})
 model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 10))
 '''
 QUICK_START = '''

@@ -8,8 +8,7 @@ import torch
 
 import fastai_resume as fr
 
-sys.path.insert(0, os.path.dirname(__file__))
-from trainer import build  # noqa: E402
+from trainer import build
 
 
 def tensors_equal(a, b):

@@ -89,11 +89,16 @@ def data_parallel(cwd, out):
     for n in names: fr.info(cwd / "models" / n, verify=True)
 
 
-PROMISES = {"Quick start": quick_start, "Data-parallel training (DDP through `distrib_ctx`)": data_parallel}
-KNOWN_FAILURES = {  # section: why its block fails today (strict: the marker goes when the README is fixed)
-    "Data-parallel training (DDP through `distrib_ctx`)":
-        "the README's DDP block uses AutoCheckpoint and learn.distrib_ctx without importing them",
-}
+def several_stages(cwd, out):
+    "Three stages, AutoCheckpoint's newest 3 of the run, and the CSV history of every stage."
+    names = [n for n in _models(cwd) if n.startswith("auto-")]
+    assert len(names) == 3 and any("-s002-" in n for n in names), names
+    assert (cwd / "history.csv").read_text().count("epoch,") >= 3
+
+
+PROMISES = {"Quick start": quick_start, "A script of several stages": several_stages,
+            "Data-parallel training (DDP through `distrib_ctx`)": data_parallel}
+KNOWN_FAILURES: dict = {}  # section: why its block fails today (strict: the marker goes when the README is fixed)
 PYTHON_BLOCKS = [(h, code) for h, lang, code in code_blocks(README) if lang == "python"]
 
 

@@ -10,8 +10,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import ShowGraphCallback
 from fastai.callback.tracker import SaveModelCallback
 
-sys.path.insert(0, os.path.dirname(__file__))
-from trainer import build  # noqa: E402
+from trainer import build
 
 N_ITER = 46
 

@@ -20,12 +20,19 @@ from trainer import build
 
 
 @pytest.fixture(scope="module")
-def mid_fit(tmp_path_factory):
-    "A real checkpoint saved mid-fit (epoch 1, batch 10), and the folder it is in."
+def mid_fit_file(tmp_path_factory):
+    "A real checkpoint saved mid-fit (epoch 1, batch 10), and the folder it is in; each test gets its own copy."
     d = tmp_path_factory.mktemp("trust")
     learn = build(d, noise=False, extra_cbs=[SaveModelCallback(monitor="valid_loss", fname="best")])
     fit(learn, 3, 1e-2, cbs=StopAt(1, 10))
     return d, fr.load(d / "models" / "ck.frk")
+
+
+@pytest.fixture
+def mid_fit(mid_fit_file):
+    import copy
+    d, tree = mid_fit_file
+    return d, copy.deepcopy(tree)
 
 
 def resealed(d, tree, name):
@@ -173,13 +180,13 @@ def test_autoresume_never_takes_or_deletes_another_runs_files(tmp_path):
 
 
 def test_a_second_launch_on_the_same_run_is_refused_and_the_first_finishes(tmp_path):
-    first = auto(tmp_path, epochs=2, sleep=0.02, wait=False)
+    first = auto(tmp_path, epochs=3, sleep=0.12, wait=False)  # long enough for the second to start
     for line in first.stdout:
         if line.startswith("fastai") or "epoch" in line or line.startswith("["): break
-    rc, out = auto(tmp_path, epochs=2)
+    rc, out = auto(tmp_path, epochs=3)
     assert rc != 0 and "is already training this run" in out
     rest = first.communicate(timeout=900)[0]
-    assert first.returncode == 0 and "trained 92" in rest, rest
+    assert first.returncode == 0 and "trained 138" in rest, rest
     assert not list((tmp_path / "models").glob(".*.tmp.*"))
 
 

@@ -147,7 +147,7 @@ def build(a):
         from fastai.vision.core import PILImage
         from fastai.vision.data import ImageBlock
         imgs = (xs.view(-1, 8, 8) * 255).to(torch.uint8).repeat_interleave(2, 1).repeat_interleave(2, 2).numpy()
-        block = DataBlock(blocks=(ImageBlock, CategoryBlock), get_x=lambda i: PILImage.create(imgs[i]),
+        block = DataBlock(blocks=(ImageBlock, CategoryBlock), get_x=lambda i: PILImage.create(np.stack([imgs[i]] * 3, -1)),
                           get_y=lambda i: int(ys[i]), splitter=lambda items: (list(range(0, 320)), list(range(320, 400))),
                           item_tfms=RandomResizedCrop(12, min_scale=0.6),
                           batch_tfms=aug_transforms(size=12, max_rotate=15, do_flip=False, max_lighting=0.3))

@@ -1,0 +1,93 @@
+"""A good fastai citizen: importing the package changes nothing a user did not opt into, `save`/`load`
+accept what fastai's accept, and `export` works at any time."""
+import io as _io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastai_resume as fr
+from fastai.callback.core import Callback
+from fastai.learner import load_learner
+from procs import ENV, HERE
+from test_resume_rules import StopAt, fit
+from trainer import build
+
+SCRIPT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from torch import nn
+from fastai.basics import *
+{imp}
+from sklearn.datasets import load_digits
+set_seed(1)
+X, y = load_digits(return_X_y=True)
+items = list(zip(torch.tensor(X / 16.0, dtype=torch.float32), torch.tensor(y)))
+dls = DataLoaders(DataLoader(items[:600], bs=64, shuffle=True), DataLoader(items[1500:], bs=128), device="cpu")
+learn = Learner(dls, nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), loss_func=CrossEntropyLossFlat(),
+                metrics=accuracy)
+print(sorted(type(c).__name__ for c in learn.cbs))
+learn.fit(2, 1e-3)
+print(sorted(m for m in sys.modules if m.startswith("fastai.callback")))
+"""
+
+
+def _run(imp):
+    code = SCRIPT.format(root=os.path.dirname(HERE), imp=imp)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return [line.rsplit(",", 1)[0] for line in p.stdout.splitlines()]  # without the time column
+
+
+def test_a_fastai_basics_script_prints_the_same_without_and_with_the_import():
+    plain, patched = _run(""), _run("import fastai_resume")
+    assert plain == patched
+    assert "'ProgressCallback'" not in plain[0] and len([l for l in plain if l.startswith("[")]) == 2
+
+
+def test_save_and_load_accept_a_buffer_as_fastai_does(tmp_path):
+    learn = build(tmp_path, noise=False)
+    fit(learn, 1, 1e-2)
+    buf = _io.BytesIO()
+    learn.save(buf)
+    buf.seek(0)
+    other = build(tmp_path, noise=False)
+    other.load(buf)
+    assert all(torch.equal(a, b) for a, b in zip(learn.model.state_dict().values(), other.model.state_dict().values()))
+    with pytest.raises(TypeError, match="not a buffer"):
+        learn.save(_io.BytesIO(), with_iter=True)
+
+
+class ExportAtEnd(Callback):
+    order = 500
+    def after_fit(self): self.learn.export("during.pkl")
+
+
+class Interrupt(Callback):
+    def after_batch(self):
+        if self.training and self.epoch == 1 and self.iter == 5: raise KeyboardInterrupt
+
+
+def test_export_works_during_a_fit_and_after_an_interrupted_one_and_carries_nothing_of_ours(tmp_path):
+    learn = build(tmp_path, noise=False, extra_cbs=[fr.AutoCheckpoint(every_iters=10)])
+    fit(learn, 2, 1e-2, cbs=ExportAtEnd())
+    with pytest.raises(KeyboardInterrupt):
+        fit(learn, 3, 1e-2, cbs=Interrupt())
+    learn.export("after.pkl")
+    for name in ("during.pkl", "after.pkl"):
+        exported = load_learner(tmp_path / name)
+        assert not any(isinstance(c, fr.ResumeSession) for c in exported.cbs)
+    assert learn.opt is not None and len(learn.dls.train) > 0  # the learner still trains
+    assert not any(isinstance(c, fr.ResumeSession) for c in learn.cbs) and fr.session.script(learn).session is None
+
+
+def test_a_learner_exported_after_loading_a_mid_fit_checkpoint_is_not_armed(tmp_path):
+    learn = build(tmp_path, noise=False)
+    fit(learn, 3, 1e-2, cbs=StopAt(1, 10))
+    fresh = build(tmp_path, noise=False)
+    fresh.load("ck")
+    fresh.export("armed.pkl")
+    loaded = load_learner(tmp_path / "armed.pkl")
+    assert fr.session.script(loaded).armed is None and fr.session.script(fresh).armed is not None
