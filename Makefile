@@ -9,7 +9,7 @@ CFLAGS_SAN := -std=c11 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover
 CORE := csrc/format.c csrc/crc32c.c csrc/skip.c
 FUZZ_SECONDS ?= 60
 
-.PHONY: demo test build ctest fuzz pytest sysdeps bench clean
+.PHONY: demo test build ctest fuzz pytest sysdeps bench clean compat
 
 $(STAMP): requirements-dev.txt constraints-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,6 +47,23 @@ pytest: build
 	$(PY) -m pytest -q -ra -n 2 --timeout 1200
 
 test: build ctest fuzz pytest
+
+# Every fastai release pyproject.toml claims (fastai_resume/compat.py: TESTED_FASTAI), and the oldest
+# with the oldest fastcore it admits: each installed apart (pip --no-deps --target build/compat/ROW,
+# first on PYTHONPATH; the shared venv is not touched), then the compat checks, an exact
+# SIGKILL-and-resume, the fit wrappers, the save/load round trips and the trackers run against it.
+COMPAT_ROWS ?= fastai==2.8.9 fastai==2.8.10 fastai==2.8.11 fastai==2.8.12 fastai==2.8.9+fastcore==2.2.22
+COMPAT_TESTS := tests/test_compat.py tests/test_learner.py \
+  "tests/test_exact.py::test_kill_at_iteration_k_then_resume_is_bitwise_equal[middle-batch-middle-epoch]" \
+  tests/test_exact.py::test_fit_wrappers_resume tests/test_exact.py::test_negative_control_without_the_data_order_state_the_run_differs \
+  tests/test_trackers.py
+compat: build
+	@for row in $(COMPAT_ROWS); do \
+	  dir=build/compat/$$row; pkgs="$${row//+/ }"; \
+	  test -f $$dir/.done || { rm -rf $$dir && $(PY) -m pip install -q --no-deps --target $$dir $$pkgs && touch $$dir/.done; }; \
+	  echo "== $$pkgs"; \
+	  PYTHONPATH=$(CURDIR)/$$dir FRK_COMPAT_PKGS="$$pkgs" $(PY) -m pytest -q -p no:cacheprovider -n 0 $(COMPAT_TESTS) | tail -n 3; \
+	done
 
 demo: build
 	$(PY) -m fastai_resume.demo
