@@ -72,8 +72,8 @@ def check_fastai_version(version: str | None = None) -> bool:
     """Warn (`FastaiVersionWarning`) if fastai `version` (the installed one by default) is outside
     the tested range. Returns True when it is inside."""
     if version is None:
-        from importlib.metadata import version as dist_version
-        version = dist_version("fastai")
+        import fastai
+        version = fastai.__version__
     lo, hi = TESTED_FASTAI[0], TESTED_FASTAI[-1]
     if _key(lo) <= _key(version) <= _key(hi): return True
     warnings.warn(

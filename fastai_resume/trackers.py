@@ -47,7 +47,7 @@ def load_tensorboard(cb, tree: dict) -> None:
     if old is None:
         raise RuntimeError("fastai_resume.trackers.load_tensorboard must run after TensorBoardCallback.before_fit")
     log_dir = tree["log_dir"] if cb.log_dir is None else old.log_dir
-    fresh = old.file_writer.event_writer._file_name if old.file_writer is not None else None
+    fresh = getattr(getattr(getattr(old, "file_writer", None), "event_writer", None), "_file_name", None)
     old.close()
     if cb.log_dir is None and os.path.abspath(old.log_dir) != log_dir and fresh is not None:
         os.remove(fresh)

@@ -239,6 +239,48 @@ def test_tensorboard_events_before_a_checkpoint_are_on_disk_when_it_is_taken(tmp
     assert on_disk == [1, 2, 3, 4, 5, 6, 7]
 
 
+def test_tensorboard_keeps_a_log_dir_the_user_named(tmp_path):
+    "Only fastai's clock-named default dir is replaced by the checkpoint's; a named one is the user's choice."
+    pytest.importorskip("tensorboard")
+    from fastai.callback.core import Callback, CancelFitException
+    from fastai.callback.tensorboard import TensorBoardCallback
+    from fastai_resume import trackers
+    from trainer import build
+    tb = TensorBoardCallback(log_dir=str(tmp_path / "mine"), trace_model=False, log_preds=False)
+
+    class Restore(Callback):
+        order = 200  # after TensorBoardCallback.before_fit, where a resumed fit restores callback state
+        def before_fit(self):
+            trackers.load_tensorboard(tb, {"log_dir": str(tmp_path / "elsewhere"), "step": 40})
+            raise CancelFitException()
+
+    learn = build(tmp_path, extra_cbs=[tb])
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=Restore())
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+    files = sorted(glob.glob(str(tmp_path / "mine" / "events.out.tfevents.*")))
+    assert tb.writer.log_dir == str(tmp_path / "mine") and len(files) == 2 and not (tmp_path / "elsewhere").exists()
+    restarts = [e.step for f in files for e in EventFileLoader(f).Load() if e.session_log.status == SessionLog.START]
+    assert restarts == [41]  # TensorBoard hides the steps from 41 on that the first file logged
+
+
+def test_wandb_resume_into_another_run_warns_naming_both_runs(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from fastai.callback.wandb import WandbCallback
+    from fastai_resume import trackers
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="frk", id="another-run", dir=str(tmp_path), mode="offline")
+    try:
+        cb = WandbCallback(log_preds=False)
+        cb.run = True  # as its before_fit sets it in a fit on rank 0
+        with pytest.warns(UserWarning, match="wandb.init\\(id='checkpointed-run', resume='allow'") as rec:
+            trackers.load_wandb(cb, {"step": 55, "epoch": 1.2, "run_id": "checkpointed-run"})
+        assert "'another-run'" in str(rec[0].message)
+        assert (cb._wandb_step, cb._wandb_epoch) == (55, 1.2)
+    finally:
+        run.finish()
+
+
 @pytest.fixture(scope="module")
 def wandb_offline_runs(tmp_path_factory):
     pytest.importorskip("wandb")
