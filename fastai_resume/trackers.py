@@ -13,10 +13,21 @@ writer / W&B run they open there is what `load` continues). `HANDLERS` lists the
 """
 from __future__ import annotations
 
+import glob
 import os
 import warnings
 
+from .io import CheckpointError
+
 __all__ = ["HANDLERS", "tensorboard_state", "load_tensorboard", "wandb_state", "load_wandb"]
+
+
+def _checked(tree, fields: dict, what: str) -> dict:
+    "`tree` if it is a dict with these fields of these types (it comes from a file), else CheckpointError."
+    bad = [k for k, types in fields.items() if not isinstance(tree, dict) or not isinstance(tree.get(k), types)
+           or isinstance(tree.get(k), bool)]
+    if bad: raise CheckpointError(f"callback state {what}: {', '.join(bad)} missing or of the wrong type")
+    return tree
 
 
 def _is(cb, module: str, name: str) -> bool:
@@ -40,16 +51,22 @@ def load_tensorboard(cb, tree: dict) -> None:
     """Reopen the writer in the checkpoint's log dir (unless the user named a `log_dir`: theirs is
     kept) with `purge_step` one past the checkpoint's step: TensorBoard then hides what the crashed
     process logged after its checkpoint, which this process logs again. The fresh log dir fastai's
-    `before_fit` just opened under its default name is removed if nothing else is in it."""
+    `before_fit` just opened under its default name is removed if nothing else is in it. A saved
+    log dir that holds no TensorBoard events (moved, deleted) is not recreated: a warning says so."""
     from torch.utils.tensorboard import SummaryWriter
     if not getattr(cb, "run", False): return
+    tree = _checked(tree, {"log_dir": (str,), "step": (int,)}, "TensorBoardCallback")
     old = getattr(cb, "writer", None)
     if old is None:
         raise RuntimeError("fastai_resume.trackers.load_tensorboard must run after TensorBoardCallback.before_fit")
     log_dir = tree["log_dir"] if cb.log_dir is None else old.log_dir
+    if not glob.glob(os.path.join(glob.escape(str(log_dir)), "events.out.tfevents.*")):
+        warnings.warn(f"fastai_resume: the checkpoint's TensorBoard log dir {log_dir} holds no events (moved or "
+                      f"deleted?); the resumed run logs to {old.log_dir}, at the uninterrupted run's steps", stacklevel=2)
+        return
     fresh = getattr(getattr(getattr(old, "file_writer", None), "event_writer", None), "_file_name", None)
     old.close()
-    if cb.log_dir is None and os.path.abspath(old.log_dir) != log_dir and fresh is not None:
+    if cb.log_dir is None and os.path.abspath(old.log_dir) != os.path.abspath(log_dir) and fresh is not None:
         os.remove(fresh)
         try: os.rmdir(old.log_dir)
         except OSError: pass  # not empty: something else of the user's is in it
@@ -72,6 +89,7 @@ def load_wandb(cb, tree: dict) -> None:
     when this process logs to another W&B run than the checkpoint's: the history is then split."""
     if not getattr(cb, "run", False): return
     import wandb
+    tree = _checked(tree, {"step": (int,), "epoch": (float, int), "run_id": (str, type(None))}, "WandbCallback")
     cb._wandb_step, cb._wandb_epoch = tree["step"], tree["epoch"]
     run_id = wandb.run.id if wandb.run is not None else None
     if tree["run_id"] is not None and run_id != tree["run_id"]:

@@ -239,29 +239,62 @@ def test_tensorboard_events_before_a_checkpoint_are_on_disk_when_it_is_taken(tmp
     assert on_disk == [1, 2, 3, 4, 5, 6, 7]
 
 
-def test_tensorboard_keeps_a_log_dir_the_user_named(tmp_path):
-    "Only fastai's clock-named default dir is replaced by the checkpoint's; a named one is the user's choice."
-    pytest.importorskip("tensorboard")
+def restore_tensorboard(path, tree, log_dir=None):
+    """A fit whose TensorBoardCallback gets `tree` restored where a resumed fit restores it (after
+    the callbacks' `before_fit`); returns the callback, its writer still as the restore left it."""
     from fastai.callback.core import Callback, CancelFitException
     from fastai.callback.tensorboard import TensorBoardCallback
     from fastai_resume import trackers
     from trainer import build
-    tb = TensorBoardCallback(log_dir=str(tmp_path / "mine"), trace_model=False, log_preds=False)
+    tb = TensorBoardCallback(log_dir=log_dir, trace_model=False, log_preds=False)
 
     class Restore(Callback):
-        order = 200  # after TensorBoardCallback.before_fit, where a resumed fit restores callback state
+        order = 200
         def before_fit(self):
-            trackers.load_tensorboard(tb, {"log_dir": str(tmp_path / "elsewhere"), "step": 40})
+            trackers.load_tensorboard(tb, tree)
             raise CancelFitException()
 
-    learn = build(tmp_path, extra_cbs=[tb])
+    learn = build(path, extra_cbs=[tb])
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=Restore())
+    return tb
+
+
+def tensorboard_restarts(log_dir) -> list:
+    "The steps at which a writer told TensorBoard to purge what earlier files logged from there on."
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.compat.proto.event_pb2 import SessionLog
-    files = sorted(glob.glob(str(tmp_path / "mine" / "events.out.tfevents.*")))
-    assert tb.writer.log_dir == str(tmp_path / "mine") and len(files) == 2 and not (tmp_path / "elsewhere").exists()
-    restarts = [e.step for f in files for e in EventFileLoader(f).Load() if e.session_log.status == SessionLog.START]
-    assert restarts == [41]  # TensorBoard hides the steps from 41 on that the first file logged
+    files = glob.glob(os.path.join(str(log_dir), "events.out.tfevents.*"))
+    return [e.step for f in files for e in EventFileLoader(f).Load() if e.session_log.status == SessionLog.START]
+
+
+def test_tensorboard_keeps_a_log_dir_the_user_named(tmp_path):
+    "Only fastai's clock-named default dir is replaced by the checkpoint's; a named one is the user's choice."
+    pytest.importorskip("tensorboard")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "events.out.tfevents.1.host").write_bytes(b"")
+    tb = restore_tensorboard(tmp_path, {"log_dir": str(tmp_path / "elsewhere"), "step": 40}, str(tmp_path / "mine"))
+    assert tb.writer.log_dir == str(tmp_path / "mine")
+    assert len(glob.glob(str(tmp_path / "mine" / "events.out.tfevents.*"))) == 2
+    assert tensorboard_restarts(tmp_path / "mine") == [41]  # TensorBoard hides what the first file logged from 41 on
+    assert os.listdir(tmp_path / "elsewhere") == ["events.out.tfevents.1.host"]
+
+
+def test_tensorboard_a_log_dir_that_is_gone_is_not_recreated(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)  # fastai's default log dir is runs/<time>_<host> in the working directory
+    with pytest.warns(UserWarning, match="holds no events"):
+        tb = restore_tensorboard(tmp_path, {"log_dir": str(tmp_path / "gone"), "step": 40})
+    assert not (tmp_path / "gone").exists()
+    assert os.path.dirname(tb.writer.log_dir) == "runs" and tensorboard_restarts(tb.writer.log_dir) == []
+
+
+@pytest.mark.parametrize("tree", [{"log_dir": 3, "step": 40}, {"log_dir": "runs/x"}, {"log_dir": "runs/x", "step": True}, [1]],
+                         ids=["log_dir-int", "no-step", "step-bool", "a-list"])
+def test_tensorboard_state_of_the_wrong_shape_is_a_checkpoint_error(tmp_path, tree):
+    pytest.importorskip("tensorboard")
+    from fastai_resume import CheckpointError
+    with pytest.raises(CheckpointError, match="callback state TensorBoardCallback: .*wrong type"):
+        restore_tensorboard(tmp_path, tree, str(tmp_path / "tb"))
 
 
 def test_wandb_resume_into_another_run_warns_naming_both_runs(tmp_path, monkeypatch):
