@@ -52,8 +52,12 @@ test: build ctest fuzz pytest
 # with the oldest fastcore it admits: each installed apart (pip --no-deps --target build/compat/ROW,
 # first on PYTHONPATH; the shared venv is not touched), then the compat checks, an exact
 # SIGKILL-and-resume, the fit wrappers, the save/load round trips and the trackers run against it.
+# (--basetemp: pytest prunes all but the newest 3 temp dirs of a user, also those of a running session.)
 COMPAT_ROWS ?= fastai==2.8.9 fastai==2.8.10 fastai==2.8.11 fastai==2.8.12 fastai==2.8.9+fastcore==2.2.22
-COMPAT_TESTS := tests/test_compat.py tests/test_learner.py \
+COMPAT_TESTS := tests/test_compat.py tests/test_learner.py::test_round_trip_restores_model_and_optimizer_bitwise \
+  tests/test_learner.py::test_vanilla_fastai_pth_still_loads_exactly_as_fastai_loads_it \
+  tests/test_learner.py::test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list \
+  tests/test_learner.py::test_import_patches_idempotently_and_keeps_signatures \
   "tests/test_exact.py::test_kill_at_iteration_k_then_resume_is_bitwise_equal[middle-batch-middle-epoch]" \
   tests/test_exact.py::test_fit_wrappers_resume tests/test_exact.py::test_negative_control_without_the_data_order_state_the_run_differs \
   tests/test_trackers.py
@@ -62,7 +66,8 @@ compat: build
 	  dir=build/compat/$$row; pkgs="$${row//+/ }"; \
 	  test -f $$dir/.done || { rm -rf $$dir && $(PY) -m pip install -q --no-deps --target $$dir $$pkgs && touch $$dir/.done; }; \
 	  echo "== $$pkgs"; \
-	  PYTHONPATH=$(CURDIR)/$$dir FRK_COMPAT_PKGS="$$pkgs" $(PY) -m pytest -q -p no:cacheprovider -n 0 $(COMPAT_TESTS) | tail -n 3; \
+	  PYTHONPATH=$(CURDIR)/$$dir FRK_COMPAT_PKGS="$$pkgs" $(PY) -m pytest -q -p no:cacheprovider -n 0 \
+	    --basetemp=build/compat/tmp $(COMPAT_TESTS) | tail -n 8; \
 	done
 
 demo: build

@@ -76,7 +76,9 @@ def load_tensorboard(cb, tree: dict) -> None:
 # ---- Weights & Biases -----------------------------------------------------------------------
 
 def wandb_state(cb) -> dict | None:
-    "fastai's W&B step and epoch counters, and the run they log to."
+    """fastai's W&B step and epoch counters, and the run they log to. (W&B's service writes an
+    offline run's file every 15 s, `wandb.Settings(x_transaction_log_flush_interval=...)`, and has
+    no call to flush it now: a SIGKILL loses what was logged since, before the checkpoint too.)"""
     if not getattr(cb, "run", False) or not hasattr(cb, "_wandb_step"): return None
     import wandb
     run = wandb.run
