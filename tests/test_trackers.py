@@ -51,7 +51,7 @@ def train(a):
         from fastai.callback.wandb import WandbCallback
         fmt = fastai_wandb._format_config_value
 
-        def tolerant(v):  # fastai 2.8.9-2.8.12 fail on any config value without a __dict__ (a float): skip those
+        def tolerant(v):  # fastai 2.8.9-2.8.12 fail on any primitive config value (fastai issue #4173): keep those as they are
             try: return fmt(v)
             except TypeError: return v
         fastai_wandb._format_config_value = tolerant
@@ -80,7 +80,8 @@ def main(argv=None):
 # ---- reading what the trackers wrote -------------------------------------------------------
 
 def run_script(path, tracker, *args, expect_kill=False):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true",
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # a run in this process sets some
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true",
                WANDB_DISABLE_GIT="true", WANDB_CONSOLE="off")
     p = subprocess.run([sys.executable, __file__, "--path", str(path), "--tracker", tracker, *args], cwd=path,
                        capture_output=True, text=True, env=env, timeout=600)
