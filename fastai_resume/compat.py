@@ -15,7 +15,7 @@ import os
 import warnings
 
 __all__ = ["TESTED_FASTAI", "REPLACED_SOURCES", "FastaiVersionWarning", "check_fastai_version",
-           "fastai_sources", "changed_sources"]
+           "fastai_sources", "source_hash", "changed_sources"]
 
 TESTED_FASTAI = ("2.8.9", "2.8.10", "2.8.11", "2.8.12")  # what `make compat` tests; keep pyproject.toml in step
 
@@ -81,7 +81,7 @@ def check_fastai_version(version: str | None = None) -> bool:
         "fastai's training loop internals (Learner._do_fit, all_batches, _call_one, fit and the fit_one_cycle/"
         "fit_flat_cos/fit_sgdr/fine_tune wrappers, save/load) and restores Recorder and callback state by "
         "their attribute names: with another fastai a resumed run may differ from the uninterrupted one or "
-        f"fail. Install fastai>={lo},<={hi}, or run `fastai-resume check` on your script before a long run.",
+        f"fail. Install fastai>={lo},<={hi} (`pip install 'fastai>={lo},<={hi}'`).",
         FastaiVersionWarning, stacklevel=2)
     return False
 
