@@ -10,7 +10,7 @@ CORE := csrc/validate.c csrc/builder.c csrc/commit.c csrc/reader.c csrc/crc32c.c
 CORE_H := csrc/frk.h csrc/layout.h csrc/internal.h
 FUZZ_SECONDS ?= 60
 
-.PHONY: demo test build ctest fuzz pytest sysdeps bench clean
+.PHONY: demo test build ctest fuzz pytest sysdeps bench clean compat
 
 $(STAMP): requirements-dev.txt constraints-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,6 +48,28 @@ pytest: build
 	$(PY) -m pytest -q -ra -n 2 --timeout 1200
 
 test: build ctest fuzz pytest
+
+# Every fastai release pyproject.toml claims (fastai_resume/compat.py: TESTED_FASTAI), and the oldest
+# with the oldest fastcore it admits: each installed apart (pip --no-deps --target build/compat/ROW,
+# first on PYTHONPATH; the shared venv is not touched), then the compat checks, an exact
+# SIGKILL-and-resume, the fit wrappers, the save/load round trips and the trackers run against it.
+# (--basetemp: pytest prunes all but the newest 3 temp dirs of a user, also those of a running session.)
+COMPAT_ROWS ?= fastai==2.8.9 fastai==2.8.10 fastai==2.8.11 fastai==2.8.12 fastai==2.8.9+fastcore==2.2.22
+COMPAT_TESTS := tests/test_compat.py tests/test_learner.py::test_round_trip_restores_model_and_optimizer_bitwise \
+  tests/test_learner.py::test_vanilla_fastai_pth_still_loads_exactly_as_fastai_loads_it \
+  tests/test_learner.py::test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list \
+  tests/test_learner.py::test_import_patches_idempotently_and_keeps_signatures \
+  "tests/test_exact.py::test_kill_at_iteration_k_then_resume_is_bitwise_equal[middle-batch-middle-epoch]" \
+  tests/test_exact.py::test_fit_wrappers_resume tests/test_exact.py::test_negative_control_without_the_data_order_state_the_run_differs \
+  tests/test_trackers.py
+compat: build
+	@for row in $(COMPAT_ROWS); do \
+	  dir=build/compat/$$row; pkgs="$${row//+/ }"; \
+	  test -f $$dir/.done || { rm -rf $$dir && $(PY) -m pip install -q --no-deps --target $$dir $$pkgs && touch $$dir/.done; }; \
+	  echo "== $$pkgs"; \
+	  PYTHONPATH=$(CURDIR)/$$dir FRK_COMPAT_PKGS="$$pkgs" $(PY) -m pytest -q -p no:cacheprovider -n 0 \
+	    --basetemp=build/compat/tmp $(COMPAT_TESTS) | tail -n 8; \
+	done
 
 demo: build
 	$(PY) -m fastai_resume.demo

@@ -5,7 +5,8 @@ weights of an uninterrupted run.
     python -m fastai_resume.demo [--dir DIR]          the whole story
     python -m fastai_resume.demo train --dir DIR      the user's training script alone
 
-Data: scikit-learn's bundled handwritten digits (nothing is downloaded).
+Data: scikit-learn's bundled handwritten digits (nothing is downloaded); scikit-learn comes with
+the `demo` extra: `pip install 'fastai-resume[demo]'`.
 """
 from __future__ import annotations
 
@@ -106,7 +107,16 @@ def story(base: str, slow_ms: float, kill_at=(2, 20)) -> int:
     return 0 if same else 1
 
 
+def _require_sklearn() -> None:
+    "The demo's data set comes with scikit-learn, which the package itself does not depend on."
+    try:
+        import sklearn.datasets  # noqa: F401
+    except ImportError:
+        sys.exit("fastai_resume.demo needs scikit-learn (its bundled digits data set): pip install 'fastai-resume[demo]'")
+
+
 def main(argv=None):
+    _require_sklearn()
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", nargs="?", default="story", choices=["story", "train"])
     ap.add_argument("--dir", default=None)
