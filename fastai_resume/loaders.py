@@ -28,7 +28,7 @@ import torch
 
 from .dist import is_distributed_dl, unwrap_dl
 
-__all__ = ["capture", "restore", "batch_size", "is_stream", "has_state", "skip_first", "BatchSeeder",
+__all__ = ["call_hook_first", "capture", "restore", "batch_size", "is_stream", "has_state", "skip_first", "BatchSeeder",
            "StreamNotResumable"]
 
 
@@ -220,6 +220,26 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
         return how
     raise ValueError(f"cannot resume {where}mid-epoch: {type(dl).__name__} is neither a fastai nor a PyTorch "
                      "DataLoader; fit with start_iter=0 to restart the epoch")
+
+
+def call_hook_first(f, hook, put_back):
+    """`f`, callable once more with `hook()` run before it (then `put_back(f)`). A fastai `Pipeline`
+    stays a `Pipeline` sharing its attributes (the loader's `before_iter` sets its `split_idx`)."""
+    if not hasattr(f, "__dict__") or isinstance(f, type(call_hook_first)):
+        def first(*args, **kwargs):
+            put_back(f)
+            hook()
+            return f(*args, **kwargs)
+        return first
+
+    class First(type(f)):
+        def __call__(self, *args, **kwargs):
+            put_back(f)
+            hook()
+            return f(*args, **kwargs)
+    g = object.__new__(First)
+    g.__dict__ = f.__dict__  # one set of attributes for both
+    return g
 
 
 class BatchSeeder:

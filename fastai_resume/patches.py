@@ -280,6 +280,8 @@ def _patch_schedule() -> None:
 
 def apply() -> None:
     "Once per process: the lazy Recorder losses, and the fit wrappers as soon as fastai defines them."
+    from .compat import check_fastai_version
+    check_fastai_version()
     state.install_lazy_losses()
     if imported("fastai.callback.schedule"): _patch_schedule()  # else `fastai_resume/__init__`'s hook does it
 

@@ -312,12 +312,16 @@ class ResumeSession(Callback):
             self._start_resumed_epoch()
         for dl in self.dls.loaders:
             do_item = dl.__dict__.get("do_item") if loaders.is_fastai(dl) else None
-            if isinstance(do_item, loaders.BatchSeeder): do_item.first, do_item.n = self.first_iter, 0
+            if isinstance(do_item, loaders.BatchSeeder):
+                do_item.first, do_item.n = (self.first_iter if dl is self.dls.train else 0), 0
         self.rng_epoch = state.rng_state()
         self.loaders_epoch = [loaders.capture(dl) for dl in self.dls.loaders]
         self.rng_valid = self.loaders_valid = None
 
     def before_validate(self):
+        for dl in self.dls.loaders:
+            do_item = dl.__dict__.get("do_item") if loaders.is_fastai(dl) else None
+            if isinstance(do_item, loaders.BatchSeeder) and dl is not self.dls.train: do_item.first, do_item.n = 0, 0
         self.rng_valid = state.rng_state()
         self.loaders_valid = [loaders.capture(dl) for dl in self.dls.loaders]
 
@@ -358,14 +362,9 @@ class ResumeSession(Callback):
         """With worker processes the skipped part is behind the main process once the loader hands over
         its first batch: restore the saved RNG before that batch's `after_batch` transforms run."""
         dl = self.dls.train
-        if not loaders.is_fastai(dl) or "after_batch" not in dir(dl): return
-        orig = dl.after_batch
-
-        def first_after_batch(b):
-            dl.after_batch = orig
-            self._restore_saved_rng()
-            return orig(b)
-        dl.after_batch = first_after_batch
+        if not loaders.is_fastai(dl): return
+        dl.after_batch = loaders.call_hook_first(dl.after_batch, self._restore_saved_rng,
+                                                 lambda orig: setattr(dl, "after_batch", orig))
 
     def _restore_saved_rng(self):
         if self.skip.take_rng() and self.saved is not None: state.set_rng_state(_saved_rng(self.saved))

@@ -191,6 +191,9 @@ _TRACKER_FIELDS = {"best": (float, int), "wait": (int,), "new_best": (bool,)}
 
 
 def _builtin_state(cb) -> Any:
+    from .trackers import HANDLERS  # read at call time (the trackers' tests swap it)
+    for pred, get, _ in HANDLERS:
+        if pred(cb): return get(cb)
     tracker, training, fp16, sched, progress = (_mod("fastai.callback.tracker"), _mod("fastai.callback.training"),
                                                  _mod("fastai.callback.fp16"), _mod("fastai.callback.schedule"),
                                                  _mod("fastai.callback.progress"))
@@ -224,14 +227,24 @@ def _typed(cb, st: dict, fields: dict) -> None:
 
 
 def _set_builtin_state(cb, st) -> None:
+    from .trackers import HANDLERS
+    for pred, _, put in HANDLERS:
+        if pred(cb): return put(cb, st)
     tracker, training, fp16, sched, progress = (_mod("fastai.callback.tracker"), _mod("fastai.callback.training"),
                                                  _mod("fastai.callback.fp16"), _mod("fastai.callback.schedule"),
                                                  _mod("fastai.callback.progress"))
     from fastcore.foundation import L
     if fp16 and isinstance(cb, fp16.MixedPrecision):
+        if not isinstance(st.get("scaler"), dict) or not isinstance(st.get("scales"), (list, tuple)):
+            raise CheckpointError("callback state MixedPrecision: expected scaler (dict) and scales (list)")
         cb.learn.scaler.load_state_dict(st["scaler"])
         cb.scales = L(st["scales"])
-    elif sched and isinstance(cb, sched.ParamScheduler): cb.hps = {k: list(v) for k, v in st["hps"].items()}
+    elif sched and isinstance(cb, sched.ParamScheduler):
+        hps = st["hps"]
+        if not isinstance(hps, dict) or not all(isinstance(k, str) and isinstance(v, (list, tuple)) and
+                                                all(isinstance(x, (int, float)) for x in v) for k, v in hps.items()):
+            raise CheckpointError("callback state ParamScheduler.hps: expected a dict of str: list of numbers")
+        cb.hps = {k: list(v) for k, v in hps.items()}
     elif training and isinstance(cb, training.GradientAccumulation): _typed(cb, st, {"count": (int,)})
     elif tracker and isinstance(cb, tracker.TrackerCallback): _typed(cb, st, _TRACKER_FIELDS)
     elif progress and isinstance(cb, progress.CSVLogger): _continue_csv(cb, st)
@@ -271,4 +284,8 @@ def set_callback_states(learn, states: dict) -> None:
         if not isinstance(st, dict) and not hasattr(cb, "load_resume_state"):
             raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)}: {type(st).__name__}, expected a dict")
         if hasattr(cb, "load_resume_state"): cb.load_resume_state(st)
-        else: _set_builtin_state(cb, st)
+        else:
+            try: _set_builtin_state(cb, st)
+            except CheckpointError: raise
+            except (TypeError, KeyError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+                raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)} is malformed: {e!r}") from None

@@ -26,10 +26,11 @@ set_seed(42)
 X, y = load_digits(return_X_y=True)
 items = list(zip(torch.tensor(X / 16.0, dtype=torch.float32), torch.tensor(y)))
 items = [(x, int(t)) for x, t in items]
-def noisy(x):
-    time.sleep(float(os.environ.get("ITEM_SLEEP", "0")))
-    return x + 0.05 * torch.randn(64)
-dls = DataBlock(blocks=(TransformBlock, CategoryBlock), get_x=lambda o: noisy(o[0]), get_y=ItemGetter(1),
+class Noisy(ItemTransform):
+    def encodes(self, o):
+        time.sleep(float(os.environ.get("ITEM_SLEEP", "0")))
+        return o[0] + 0.05 * torch.randn(64)
+dls = DataBlock(blocks=(TransformBlock, CategoryBlock), get_x=Noisy(), get_y=ItemGetter(1),
                 splitter=IndexSplitter(range(1500, 1797))).dataloaders(items, bs=32, device="cpu"{dls_kw})
 model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 10))
 '''

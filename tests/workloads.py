@@ -58,6 +58,14 @@ class SaveAndDie(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Trace(Callback):
+    "Records a checksum of every training batch's input (to find where two runs part)."
+    order = 1
+    def __init__(self): self.sums = []
+    def before_batch(self):
+        if self.training: self.sums.append(float(self.xb[0].double().sum()))
+
+
 def digits():
     X, y = load_digits(return_X_y=True)
     return torch.tensor(X / 16.0, dtype=torch.float32), torch.tensor(y)
@@ -205,9 +213,11 @@ def main(argv=None):
     ap.add_argument("--no-lr-find", action="store_true")
     ap.add_argument("--train-metrics", action="store_true")
     ap.add_argument("--fast-forward", action="store_true")
+    ap.add_argument("--trace", action="store_true")
     ap.add_argument("--break-order", action="store_true", help="negative control: forget the loaders' saved order")
     a = ap.parse_args(argv)
     learn = build(a)
+    if a.trace: learn.add_cb(Trace())
     if a.auto: learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
     if a.die:
         at = tuple(map(int, a.die.split(",")))
@@ -220,7 +230,9 @@ def main(argv=None):
                                    for st in tr["loaders_epoch"]]
     with learn.no_bar():
         recipe(learn, a)
-    fastai_resume.save(result(learn), a.out)
+    res = result(learn)
+    if a.trace: res["trace"] = learn.trace.sums
+    fastai_resume.save(res, a.out)
 
 
 if __name__ == "__main__":
