@@ -4,9 +4,10 @@
     verify FILE_OR_DIR    one line per checkpoint (OK, or BAD and what is wrong); a folder's other
                           files are skipped, each on a SKIP line, and a summary line ends the list
     convert SRC DST       fastai_resume checkpoint -> vanilla fastai .pth (for deployment), or back
+    check SCRIPT [ARGS]   does this training script resume exactly? (runs it three times, short)
 
-Exit status: 0 when all is well; 1 when `verify` finds a file that is not a valid checkpoint, or
-`inspect` a checksum that fails; 2 on an error (a missing file, a file that is not what the command
+Exit status: 0 when all is well; 1 when `verify` finds a file that is not a valid checkpoint,
+`inspect` a checksum that fails, or `check` a difference; 2 on an error (a missing file, a file that is not what the command
 needs, a file that cannot be written), told in one line on stderr that names the file.
 
 The tool needs neither fastai nor a GPU: it prints its output and nothing else.
@@ -259,6 +260,16 @@ def cmd_convert(a):
         print(f"wrote {dst} (fastai_resume format, no training position)")
 
 
+def cmd_check(a):
+    from .check import check
+    if not Path(a.script).is_file(): raise Failure(f"{a.script}: no such script")
+    kill_at = tuple(int(x) for x in a.kill_at.split(",")) if a.kill_at else None
+    if kill_at is not None and len(kill_at) != 3: raise Failure("--kill-at wants STAGE,EPOCH,BATCH")
+    r = check(a.script, a.args, kill_at=kill_at, batches=a.batches)
+    print(("OK   " if r.ok else "DIFF ") + r.message)
+    return 0 if r.ok else 1
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="fastai-resume", description="Inspect, verify and convert fastai_resume checkpoints.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -271,9 +282,16 @@ def main(argv=None):
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--model-only", action="store_true", help="write only the model's state dict")
+    p = sub.add_parser("check", help="run a training script uninterrupted, killed and resumed; report the first "
+                                     "difference (exit 1)")
+    p.add_argument("--kill-at", default=None, metavar="STAGE,EPOCH,BATCH",
+                   help="where to kill (default: mid second epoch of the last stage that has one)")
+    p.add_argument("--batches", type=int, default=8, help="training and validation batches per epoch (default 8)")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     try:
-        return {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert}[a.cmd](a) or 0
+        return {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert, "check": cmd_check}[a.cmd](a) or 0
     except (Failure, CheckpointError, OSError) as e:
         msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         if isinstance(e, OSError) and e.filename and str(e.filename) not in msg: msg = f"{e.filename}: {msg}"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from fastai.callback.core import Callback
 
-from . import checkpoint, dist, io, paths
+from . import check, checkpoint, dist, io, paths
 from .io import CheckpointError
 from .session import script, session_of
 
@@ -191,6 +191,7 @@ class AutoCheckpoint(Callback):
     def arm_resume(self, stage):
         """Called when a training call (a stage) begins: identifies the run, takes its lock, and the first
         time (or after an interrupted fit) loads the newest valid checkpoint of this run."""
+        if os.environ.get(check.ENV): return  # `fastai-resume check` runs: no files of ours, no autoresume
         if self.run is None: self.run = self._run_identity(stage)
         p = None
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
@@ -304,7 +305,7 @@ class AutoCheckpoint(Callback):
         self.last_time = time.monotonic()
         self._retry = False
         pos = s.position() if s is not None else None
-        if pos is None or self.run is None: return None
+        if pos is None or self.run is None or os.environ.get(check.ENV): return None
         path = self._name(s.stage.index, s.fit_index, *pos)
         done = path.exists() or (self._inflight is not None and self._inflight[1] == path)
         if dist.active(): done = dist.broadcast(done)  # rank 0 knows the folder; all must agree

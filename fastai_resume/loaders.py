@@ -225,7 +225,7 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
 def call_hook_first(f, hook, put_back):
     """`f`, callable once more with `hook()` run before it (then `put_back(f)`). A fastai `Pipeline`
     stays a `Pipeline` sharing its attributes (the loader's `before_iter` sets its `split_idx`)."""
-    if not hasattr(f, "__dict__") or isinstance(f, type(call_hook_first)):
+    if type(f).__name__ != "Pipeline" or not hasattr(f, "__dict__"):
         def first(*args, **kwargs):
             put_back(f)
             hook()

@@ -26,10 +26,10 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import _core, checkpoint, dist, io, loaders, paths, state
+from . import _core, check, checkpoint, dist, io, loaders, paths, state
 from ._hooks import imported
 from .io import CheckpointError
-from .session import Armed, ResumeSession, script, session_of, stage_call
+from .session import Armed, FitPlan, ResumeSession, script, session_of, stage_call
 
 __all__ = ["apply"]
 
@@ -85,12 +85,13 @@ def _run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_
     sc.armed = None  # consumed by this fit
     if explicit and saved is not None and (target != (pos["epoch"], pos["iter"]) or pos["world_size"] != dist.world()):
         saved = None  # another position or sharding: the model and optimizer, not the saved state
-    s = ResumeSession(st, fit_index, saved, target, a.path if a is not None else None,
-                      a.opt if saved is not None else None, a.fast_forward if a is not None else False)
+    s = ResumeSession(FitPlan(st, fit_index, saved, target, a.path if a is not None else None,
+                              a.opt if saved is not None else None, a.fast_forward if a is not None else False))
     sc.session = s
     sc.fit_depth += 1
     try:
-        learn._orig_fit(n_epoch, lr=lr, wd=wd, cbs=L(s) + L(cbs), reset_opt=reset_opt, start_epoch=0)
+        probe = check.probe_for(learn)  # only under `fastai-resume check`
+        learn._orig_fit(n_epoch, lr=lr, wd=wd, cbs=L(s) + L(cbs) + L(probe), reset_opt=reset_opt, start_epoch=0)
     except BaseException:
         from .session import Interrupted
         sc.interrupted = Interrupted(st.index, getattr(learn, "epoch", 0), getattr(learn, "iter", 0))

@@ -14,20 +14,21 @@ is armed, restores it and skips the finished work, with the decisions made by `_
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from fastai.callback.core import Callback
 
-from . import _core, dist, loaders, state
+from . import _core, check, dist, loaders, state
 from .io import CheckpointError
 
-__all__ = ["Script", "Armed", "Stage", "ResumeSession", "script", "session_of", "InBatchSave"]
+__all__ = ["Script", "Armed", "Stage", "FitPlan", "ResumeSession", "script", "session_of", "InBatchSave"]
 
 _VALIDATION_EVENTS = {"before_validate", "after_validate", "after_cancel_validate"}
 _IN_BATCH = {"before_batch", "after_pred", "after_loss", "before_backward", "after_backward", "before_step",
@@ -122,6 +123,9 @@ class Stage:
     def begin(self, sc: Script) -> None:
         "Autoresume, then check the armed checkpoint against this stage: skip it, resume in it, or refuse."
         learn = self.learn
+        if os.environ.get(check.ENV) == "resume" and self.index == 0 and sc.armed is None:
+            learn.load(check.CKPT)  # `fastai-resume check`: the resumed run
+            sc.armed.path.unlink()
         for c in list(learn.cbs) + list(getattr(self, "extra_cbs", [])):
             if hasattr(c, "arm_resume"):  # AutoCheckpoint: its run, its lock, and autoresume
                 c.learn = learn
@@ -200,16 +204,29 @@ def _print_row(learn, row) -> None:
     logger(row)
 
 
+@dataclass
+class FitPlan:
+    "What a fit of a stage does: skip to `target` and, from a checkpoint (`source`), restore `saved`."
+    stage: "Stage"
+    fit_index: int
+    saved: dict | None = None
+    target: tuple | None = None
+    source: Path | None = None
+    opt_state: dict | None = None
+    fast_forward: bool = False
+
+
 class ResumeSession(Callback):
     """Added to every top-level fit. Tracks the training position for `save(with_iter=True)`; when a
     resume is armed, restores the saved training state and delegates the skipping to
     `_core.SkipToIter`. Runs after every other callback (so it restores what their `before_fit` reset)."""
     order = 200
 
-    def __init__(self, stage: Stage, fit_index: int, saved=None, target=None, source=None, opt_state=None,
-                 fast_forward=False):
-        self.stage, self.fit_index, self.saved, self.target, self.source = stage, fit_index, saved, target, source
-        self.opt_state, self.fast_forward = opt_state, fast_forward
+    def __init__(self, plan: "FitPlan"):
+        # (the fields are the plan's, not `__init__`'s arguments: fastai's W&B callback logs a callback's
+        # `__init__` arguments as configuration, and the plan holds the Learner and whole tensors)
+        self.stage, self.fit_index, self.saved, self.target = plan.stage, plan.fit_index, plan.saved, plan.target
+        self.source, self.opt_state, self.fast_forward = plan.source, plan.opt_state, plan.fast_forward
         self.skip = _core.SkipToIter()
         self.rows = []  # the printed row of every finished epoch
         self.rng_epoch = self.loaders_epoch = self.rng_valid = self.loaders_valid = None

@@ -44,7 +44,7 @@ def _run(imp):
 def test_a_fastai_basics_script_prints_the_same_without_and_with_the_import():
     plain, patched = _run(""), _run("import fastai_resume")
     assert plain == patched
-    assert "'ProgressCallback'" not in plain[0] and len([l for l in plain if l.startswith("[")]) == 2
+    assert len([line for line in plain if line.startswith(("[0,", "[1,", "0 ", "1 "))]) == 2
 
 
 def test_save_and_load_accept_a_buffer_as_fastai_does(tmp_path):
@@ -70,8 +70,22 @@ class Interrupt(Callback):
         if self.training and self.epoch == 1 and self.iter == 5: raise KeyboardInterrupt
 
 
+def exportable(path, cbs=()):
+    "A learner fastai itself can export (its data from a DataBlock, not plain lists)."
+    from fastai.data.block import CategoryBlock, DataBlock, TransformBlock
+    from fastai.data.transforms import IndexSplitter, ItemGetter
+    from fastai.learner import Learner
+    from sklearn.datasets import load_digits
+    from torch import nn
+    X, y = load_digits(return_X_y=True)
+    items = list(zip(torch.tensor(X / 16.0, dtype=torch.float32), y.tolist()))[:600]
+    dls = DataBlock(blocks=(TransformBlock, CategoryBlock), get_x=ItemGetter(0), get_y=ItemGetter(1),
+                    splitter=IndexSplitter(range(500, 600))).dataloaders(items, bs=32, device="cpu", path=path)
+    return Learner(dls, nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), cbs=list(cbs), path=path)
+
+
 def test_export_works_during_a_fit_and_after_an_interrupted_one_and_carries_nothing_of_ours(tmp_path):
-    learn = build(tmp_path, noise=False, extra_cbs=[fr.AutoCheckpoint(every_iters=10)])
+    learn = exportable(tmp_path, [fr.AutoCheckpoint(every_iters=10)])
     fit(learn, 2, 1e-2, cbs=ExportAtEnd())
     with pytest.raises(KeyboardInterrupt):
         fit(learn, 3, 1e-2, cbs=Interrupt())
@@ -84,9 +98,9 @@ def test_export_works_during_a_fit_and_after_an_interrupted_one_and_carries_noth
 
 
 def test_a_learner_exported_after_loading_a_mid_fit_checkpoint_is_not_armed(tmp_path):
-    learn = build(tmp_path, noise=False)
+    learn = exportable(tmp_path)
     fit(learn, 3, 1e-2, cbs=StopAt(1, 10))
-    fresh = build(tmp_path, noise=False)
+    fresh = exportable(tmp_path)
     fresh.load("ck")
     fresh.export("armed.pkl")
     loaded = load_learner(tmp_path / "armed.pkl")

@@ -55,20 +55,17 @@ def script(tmp_path, out, dls_kw="", learner_kw=""):
             + SUFFIX.format(out=str(out)))
 
 
-def run_killed(cwd, code, after_rows=2):
-    "Run `code` in `cwd` until it has printed `after_rows` epoch rows, then SIGKILL it."
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=dict(ENV, ITEM_SLEEP="0.0007", PYTHONUNBUFFERED="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    rows, seen = 0, []
-    for line in p.stdout:
-        seen.append(line)
-        if line.startswith("[") or line.split(" ")[0].isdigit(): rows += 1
-        if rows >= after_rows:
-            time.sleep(0.3)  # now mid-epoch
-            p.send_signal(signal.SIGKILL)
-            break
+def run_killed(cwd, code, folder, epoch=2):
+    "Run `code` in `cwd` until the checkpoint of `epoch`'s start is in `folder`, then SIGKILL it mid-epoch."
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=dict(ENV, ITEM_SLEEP="0.0007"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not list(folder.glob(f"auto-*-e{epoch:06d}-i0000000000.frk")) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # now in the middle of that epoch
+    p.send_signal(signal.SIGKILL)
     p.wait()
-    assert p.returncode == -signal.SIGKILL, "".join(seen)
+    assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed mid-epoch"
 
 
 def run(cwd, code):
@@ -89,11 +86,10 @@ def test_readme_quick_start_killed_mid_epoch_and_run_again_is_exact(tmp_path, dl
     ref_dir.mkdir(), run_dir.mkdir()
     run(ref_dir, script(tmp_path, ref_dir / "out.frk", dls_kw, learner_kw))
     code = script(tmp_path, run_dir / "out.frk", dls_kw, learner_kw)
-    run_killed(run_dir, code)
+    where = run_dir / folder if folder else elsewhere  # where fastai's path rules put them
+    run_killed(run_dir, code, where)
     log = run(run_dir, code)
-    assert "AutoCheckpoint: found" in log and "fastai_resume: resuming" in log
-    files = list((run_dir / folder if folder else elsewhere).glob("auto-*.frk"))
-    assert files, "the checkpoints are where fastai's path rules put them"
+    assert "AutoCheckpoint: found" in log and "fastai_resume: resuming" in log and "at epoch 2, iteration 0/" in log
     ref, res = fr.load(ref_dir / "out.frk"), fr.load(run_dir / "out.frk")
     for k in ref: assert equal(ref[k], res[k]), f"{k} differs from the uninterrupted run"
 
@@ -169,7 +165,7 @@ def test_kernel_killed_mid_fit_restarted_and_run_all_again_is_exact(kernel_refer
 
         def crash():
             time.sleep(0.3)
-            k.km.kill_kernel()  # SIGKILL: the kernel dies mid-epoch, as in a crash
+            k.km.signal_kernel(signal.SIGKILL)  # the kernel dies mid-epoch, as in a crash
             return "dead"
         k.run(cs[2], until="[1,", then=crash)
         k.km.restart_kernel(now=True)

@@ -66,6 +66,14 @@ class Trace(Callback):
         if self.training: self.sums.append(float(self.xb[0].double().sum()))
 
 
+class PlantedDivergence(Callback):
+    "Perturbs each batch from a generator of its own that no checkpoint knows (a planted divergence)."
+    order = 0
+    def __init__(self): self.g = torch.Generator().manual_seed(0)
+    def before_batch(self):
+        if self.training: self.learn.xb = (self.xb[0] + 0.01 * torch.randn(self.xb[0].shape, generator=self.g),)
+
+
 def digits():
     X, y = load_digits(return_X_y=True)
     return torch.tensor(X / 16.0, dtype=torch.float32), torch.tensor(y)
@@ -214,10 +222,12 @@ def main(argv=None):
     ap.add_argument("--train-metrics", action="store_true")
     ap.add_argument("--fast-forward", action="store_true")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--plant", action="store_true", help="a callback with RNG state no checkpoint holds")
     ap.add_argument("--break-order", action="store_true", help="negative control: forget the loaders' saved order")
     a = ap.parse_args(argv)
     learn = build(a)
     if a.trace: learn.add_cb(Trace())
+    if a.plant: learn.add_cb(PlantedDivergence())
     if a.auto: learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
     if a.die:
         at = tuple(map(int, a.die.split(",")))
