@@ -10,7 +10,7 @@ CORE := csrc/validate.c csrc/builder.c csrc/commit.c csrc/reader.c csrc/crc32c.c
 CORE_H := csrc/frk.h csrc/layout.h csrc/internal.h
 FUZZ_SECONDS ?= 60
 
-.PHONY: demo test build ctest fuzz pytest sysdeps bench clean compat
+.PHONY: demo test build lint ctest fuzz pytest sysdeps bench clean compat
 
 $(STAMP): requirements-dev.txt constraints-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,11 +21,19 @@ $(STAMP): requirements-dev.txt constraints-dev.txt
 build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
-# clang (ASan/UBSan and libFuzzer) from Debian's packages, when it is missing.
+# clang (ASan/UBSan and libFuzzer) and clang-format from Debian's packages, when they are missing.
 sysdeps:
-	@command -v clang >/dev/null && test -n "$$(find /usr/lib/llvm-*/lib/clang -name 'libclang_rt.fuzzer*' 2>/dev/null | head -1)" || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-rt-dev >/dev/null || \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang libclang-rt-14-dev >/dev/null; }
+	@command -v clang >/dev/null && command -v clang-format >/dev/null && \
+	  test -n "$$(find /usr/lib/llvm-*/lib/clang -name 'libclang_rt.fuzzer*' 2>/dev/null | head -1)" || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang clang-format libclang-rt-dev >/dev/null || \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang clang-format libclang-rt-14-dev >/dev/null; }
+
+# ruff (lint and format), mypy on the package and its stub, clang-format on csrc/: all clean.
+lint: $(STAMP) | sysdeps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy fastai_resume
+	clang-format --dry-run -Werror csrc/*.c csrc/*.h csrc/tests/*.c
 
 build/test_core: csrc/tests/test_core.c $(CORE) $(CORE_H) | sysdeps
 	mkdir -p build
@@ -47,7 +55,7 @@ fuzz: build/fuzz_reader build/test_core
 pytest: build
 	$(PY) -m pytest -q -ra -n 2 --timeout 1200
 
-test: build ctest fuzz pytest
+test: build lint ctest fuzz pytest
 
 # Every fastai release pyproject.toml claims (fastai_resume/compat.py: TESTED_FASTAI), and the oldest
 # with the oldest fastcore it admits: each installed apart (pip --no-deps --target build/compat/ROW,
@@ -58,7 +66,7 @@ COMPAT_ROWS ?= fastai==2.8.9 fastai==2.8.10 fastai==2.8.11 fastai==2.8.12 fastai
 COMPAT_TESTS := tests/test_compat.py tests/test_learner.py::test_round_trip_restores_model_and_optimizer_bitwise \
   tests/test_learner.py::test_vanilla_fastai_pth_still_loads_exactly_as_fastai_loads_it \
   tests/test_learner.py::test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list \
-  tests/test_learner.py::test_import_patches_idempotently_and_keeps_signatures \
+  tests/test_learner.py::test_import_patches_idempotently_lazily_and_keeps_signatures \
   "tests/test_exact.py::test_kill_at_iteration_k_then_resume_is_bitwise_equal[middle-batch-middle-epoch]" \
   tests/test_exact.py::test_fit_wrappers_resume tests/test_exact.py::test_negative_control_without_the_data_order_state_the_run_differs \
   tests/test_trackers.py

@@ -105,7 +105,7 @@ class AutoCheckpoint(Callback):
         self._resumed_once = False
         self._lock = None  # the open lock file of this run
         self._old_handler = None
-        self.run = None  # this run's identity (hex), set when its first stage begins
+        self.run_id = None  # this run's identity (hex), set when its first stage begins (fastai's `run` is taken)
         self.attempt = None
         self.saved = []  # paths committed by this process, oldest first
 
@@ -119,16 +119,16 @@ class AutoCheckpoint(Callback):
     def folder(self) -> Path: return paths.model_folder(self.learn)
 
     def _name(self, stage, fit_index, epoch, it) -> Path:
-        return self.folder / (f"{self.fname}-{self.run}-g{self.attempt:03d}-s{stage:03d}-f{fit_index:02d}"
+        return self.folder / (f"{self.fname}-{self.run_id}-g{self.attempt:03d}-s{stage:03d}-f{fit_index:02d}"
                               f"-e{epoch:06d}-i{it:010d}{io.EXT}")
 
     def _pattern(self):
-        return re.compile(re.escape(f"{self.fname}-{self.run}-") + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}"
+        return re.compile(re.escape(f"{self.fname}-{self.run_id}-") + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}"
                           + re.escape(io.EXT) + "$")
 
     def checkpoints(self):
         "This run's checkpoint files, oldest (attempt, stage, fit, epoch, iteration) first."
-        if self.run is None or not self.folder.is_dir(): return []
+        if self.run_id is None or not self.folder.is_dir(): return []
         pat = self._pattern()
         return sorted(p for p in self.folder.iterdir() if pat.match(p.name))
 
@@ -162,7 +162,7 @@ class AutoCheckpoint(Callback):
     def _take_lock(self):
         if self._lock is not None: return
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f".{self.fname}-{self.run}.lock"
+        path = self.folder / f".{self.fname}-{self.run_id}.lock"
         f = open(path, "a+")
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -192,7 +192,7 @@ class AutoCheckpoint(Callback):
         """Called when a training call (a stage) begins: identifies the run, takes its lock, and the first
         time (or after an interrupted fit) loads the newest valid checkpoint of this run."""
         if os.environ.get(check.ENV): return  # `fastai-resume check` runs: no files of ours, no autoresume
-        if self.run is None: self.run = self._run_identity(stage)
+        if self.run_id is None: self.run_id = self._run_identity(stage)
         p = None
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
             self._take_lock()
@@ -305,7 +305,7 @@ class AutoCheckpoint(Callback):
         self.last_time = time.monotonic()
         self._retry = False
         pos = s.position() if s is not None else None
-        if pos is None or self.run is None or os.environ.get(check.ENV): return None
+        if pos is None or self.run_id is None or os.environ.get(check.ENV): return None
         path = self._name(s.stage.index, s.fit_index, *pos)
         done = path.exists() or (self._inflight is not None and self._inflight[1] == path)
         if dist.active(): done = dist.broadcast(done)  # rank 0 knows the folder; all must agree

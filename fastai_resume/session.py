@@ -270,7 +270,7 @@ class ResumeSession(Callback):
     # -- resuming -------------------------------------------------------------------------------
     def before_fit(self):
         self.t0 = time.perf_counter()
-        self._warm_dls()
+        if self.saved is not None: self._warm_dls()  # only before a restore: a fresh fit draws as fastai does
         for dl in self.dls.loaders: self._seed_workers(dl)
         csv = _csv_logger_class()
         for cb in self.learn.cbs:

@@ -63,7 +63,7 @@ def test_sigterm_saves_at_the_current_batch_and_exits_then_resumes_exactly(tmp_r
     out, _ = p.communicate(timeout=120)
     out = "".join(seen) + out
     assert p.returncode == fr.PREEMPTED_EXIT_CODE, out
-    assert "SIGTERM: saved auto-f000-e" in out
+    assert "SIGTERM: saved auto-" in out
     saved = [f for f in (tmp_path / "models").glob("auto-*.frk")]
     pos = fr.load(saved[-1])["train"]["position"]
     assert 0 < pos["epoch"] * N_ITER + pos["iter"] < 3 * N_ITER and pos["iter"] > 0  # mid-epoch
@@ -77,8 +77,7 @@ def test_retention_keeps_newest_k_and_skips_a_corrupt_newest(tmp_path):
     learn = build(tmp_path, noise=False, extra_cbs=[cb])
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
     names = [p.name for p in cb.checkpoints()]
-    assert names == ["auto-f000-e000001-i0000000024.frk", "auto-f000-e000001-i0000000034.frk",
-                     "auto-f000-e000001-i0000000044.frk"]
+    assert names == [f"auto-{cb.run_id}-g000-s000-f00-e000001-i00000000{i}.frk" for i in (24, 34, 44)]
     newest = cb.checkpoints()[-1]
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -90,7 +89,7 @@ def test_retention_keeps_newest_k_and_skips_a_corrupt_newest(tmp_path):
         with learn2.no_bar(), learn2.no_logging(): learn2.fit_one_cycle(2, 1e-2)
     assert any(newest.name in str(x.message) for x in w)
     assert len(learn2.recorder.losses) == 2 * N_ITER
-    assert [p.name for p in cb2.checkpoints()] == ["auto-f000-e000001-i0000000044.frk"]  # re-made, verified
+    assert [p.name for p in cb2.checkpoints()] == [names[-1]]  # re-made, verified
     fr.load(cb2.checkpoints()[0])
 
 
@@ -100,8 +99,9 @@ def test_a_kill_between_the_last_commit_and_its_retention_is_trimmed_at_autoresu
     learn = build(tmp_path, noise=False, extra_cbs=[cb])
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
     kept = [p.name for p in cb.checkpoints()]
-    assert kept == ["auto-f000-e000000-i0000000040.frk", "auto-f000-e000001-i0000000000.frk"]
-    stale = cb.folder / "auto-f000-e000000-i0000000020.frk"  # what retention would have removed
+    assert kept == [f"auto-{cb.run_id}-g000-s000-f00-e000000-i0000000040.frk",
+                    f"auto-{cb.run_id}-g000-s000-f00-e000001-i0000000000.frk"]
+    stale = cb.folder / kept[0].replace("i0000000040", "i0000000020")  # what retention would have removed
     stale.write_bytes((cb.folder / kept[0]).read_bytes())
     cb2 = fr.AutoCheckpoint(every_iters=20, keep=2, background=False)
     learn2 = build(tmp_path, noise=False, extra_cbs=[cb2])

@@ -65,6 +65,13 @@ def test_a_save_from_a_callback_before_the_recorder_is_exact(tmp_root, tmp_path,
     assert_same_result(ref, res)
 
 
+@pytest.mark.parametrize("event", ["after_epoch", "valid"])
+def test_a_save_from_after_epoch_or_a_validation_batch_by_a_default_order_callback_is_exact(tmp_root, tmp_path, event):
+    ref = workload_reference(tmp_root, "digits")  # (the model has dropout: the RNG state matters)
+    res, _ = crash_and_rerun(tmp_path, "digits", "0,1,2", "--die-order", "0", "--die-event", event)
+    assert_same_result(ref, res)
+
+
 def test_tfmd_dl_with_a_random_after_batch_transform(tmp_root, tmp_path):
     ref = workload_reference(tmp_root, "tfmd")
     res, _ = crash_and_rerun(tmp_path, "tfmd", "0,1,5")

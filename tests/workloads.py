@@ -42,14 +42,24 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 
 class SaveAndDie(Callback):
-    "In stage S, after K training batches of epoch E: save `crash` (unless AutoCheckpoint does) and SIGKILL."
-    def __init__(self, at, save=True, order=100):
-        self.at, self.do_save, self.order = at, save, order
+    """In stage S, after K training batches of epoch E: save `crash` (unless AutoCheckpoint does) and SIGKILL.
+    `event='after_epoch'`: at the end of epoch E; `event='valid'`: after K validation batches of epoch E."""
+    def __init__(self, at, save=True, order=100, event="after_batch"):
+        self.at, self.do_save, self.order, self.event = at, save, order, event
+
+    def after_epoch(self):
+        sc = fastai_resume.session.script(self.learn)
+        if self.event == "after_epoch" and sc.stage is not None and (sc.stage.index, self.epoch) == self.at[:2]:
+            self._die()
 
     def after_batch(self):
         sc = fastai_resume.session.script(self.learn)
-        if not self.training or sc.stage is None or sc.session is None: return
+        if sc.stage is None or sc.session is None or self.event == "after_epoch": return
+        if self.training != (self.event == "after_batch"): return
         if (sc.stage.index, self.epoch, self.iter + 1) != self.at: return
+        self._die()
+
+    def _die(self):
         if self.do_save: self.learn.save("crash", with_iter=True)
         else:
             auto = next(c for c in self.learn.cbs if isinstance(c, fastai_resume.AutoCheckpoint))
@@ -215,6 +225,7 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--die", default=None)
     ap.add_argument("--die-order", type=int, default=100)
+    ap.add_argument("--die-event", default="after_batch", choices=["after_batch", "after_epoch", "valid"])
     ap.add_argument("--load", default=None)
     ap.add_argument("--auto", type=int, default=0)
     ap.add_argument("--csv-append", action="store_true")
@@ -231,7 +242,7 @@ def main(argv=None):
     if a.auto: learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
     if a.die:
         at = tuple(map(int, a.die.split(",")))
-        learn.add_cb(SaveAndDie(at, save=not a.auto, order=a.die_order))
+        learn.add_cb(SaveAndDie(at, save=not a.auto, order=a.die_order, event=a.die_event))
     if a.load:
         learn.load(a.load, fast_forward=a.fast_forward)
         if a.break_order:
