@@ -30,7 +30,6 @@ from .io import CheckpointError
 
 __all__ = ["Script", "Armed", "Stage", "FitPlan", "ResumeSession", "script", "session_of", "InBatchSave"]
 
-_VALIDATION_EVENTS = {"before_validate", "after_validate", "after_cancel_validate"}
 _IN_BATCH = {"before_batch", "after_pred", "after_loss", "before_backward", "after_backward", "before_step",
              "after_step", "after_cancel_step", "after_cancel_backward", "after_cancel_batch"}
 
