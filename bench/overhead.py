@@ -32,6 +32,7 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 import report  # noqa: E402
 import fastai_resume  # noqa: E402
+import fastai.callback.progress  # noqa: E402,F401  (Learner.no_bar)
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402

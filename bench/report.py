@@ -64,7 +64,7 @@ def overhead(res) -> str:
     return "\n".join(out + [""] + verdicts + ["", machine_line(res)])
 
 
-OPS = ("save", "load", "info", "verify", "autoresume")
+OPS = ("save", "load", "info", "verify", "learn.load")
 
 
 def scale(res) -> str:

@@ -4,19 +4,16 @@ trained one step with fastai's Adam, so that its checkpoint holds model, optimiz
 step counts: about 50 tensors per block. Widths are small (64) so that the cost per tensor, not
 the bytes, is what is measured, and both sizes run in seconds.
 
-For two depths (2x the tensors), median and min-max over interleaved rounds, of:
-save (`learn.save(with_opt=True, format="frk")`, fsynced), load (`fastai_resume.load`, every checksum
-verified), info (`fastai_resume.info(verify=False)`: the index and tensor table, what `inspect`
-shows), verify (`fastai_resume.info(verify=True)`: what `fastai-resume verify` runs) and
-autoresume (`AutoCheckpoint` finding the newest valid checkpoint in the folder, verifying it and
-loading it into the Learner). Costs linear in the tensor count give the same time per tensor at
-both sizes.
+For two depths (2x the tensors), median and min-max over interleaved rounds, of: save (the
+tree `learn.save` writes, fsynced), load (`fastai_resume.load`, every checksum verified), info
+(`fastai_resume.info(verify=False)`: the index and tensor table, what `inspect` shows), verify
+(`fastai_resume.info(verify=True)`: what `fastai-resume verify` runs, and what `AutoCheckpoint`'s
+autoresume runs on the newest file) and `learn.load` (restoring it into the Learner: the rest of
+an autoresume). Costs linear in the tensor count give the same time per tensor at both sizes.
 
-    python bench/scale.py [--blocks 24,48] [--rounds 3]
+    python bench/scale.py [--blocks 48,96] [--rounds 3]
 """
 import argparse
-import contextlib
-import io
 import os
 import shutil
 import sys
@@ -32,6 +29,8 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 import report  # noqa: E402
 import fastai_resume as fr  # noqa: E402
+from fastai_resume import checkpoint  # noqa: E402
+import fastai.callback.progress  # noqa: E402,F401  (Learner.no_bar)
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
@@ -39,7 +38,7 @@ from fastai.losses import CrossEntropyLossFlat  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 
 WIDTH, VOCAB, SEQ = 64, 256, 16
-OPS = ("save", "load", "info", "verify", "autoresume")
+OPS = ("save", "load", "info", "verify", "learn.load")
 
 
 class Block(nn.Module):
@@ -82,28 +81,21 @@ def trained_learner(path, blocks):
 def measure(learn, folder):
     "One round of every operation on this learner's checkpoint; returns seconds per operation."
     t = {}
-    for p in folder.glob("*"): p.unlink()
+    path = folder / "ckpt.frk"
     t0 = time.perf_counter()
-    path = learn.save("auto-f000-e000000-i0000000000", with_opt=True, format="frk")  # AutoCheckpoint's naming
+    fr.save(checkpoint.build_tree(learn, with_opt=True), path)  # what learn.save writes, fsynced
     t["save"] = time.perf_counter() - t0
     for op, f in (("load", lambda: fr.load(path)), ("info", lambda: fr.info(path, verify=False)),
-                  ("verify", lambda: fr.info(path, verify=True))):
+                  ("verify", lambda: fr.info(path, verify=True)), ("learn.load", lambda: learn.load(path))):
         t0 = time.perf_counter()
         f()
         t[op] = time.perf_counter() - t0
-    cb = fr.AutoCheckpoint(fname="auto", keep=10)
-    learn.add_cb(cb)
-    try:
-        t0 = time.perf_counter()
-        cb.arm_resume()
-        t["autoresume"] = time.perf_counter() - t0
-    finally: learn.remove_cb(cb)
     return t, fr.info(path, verify=False)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--blocks", default="24,48", help="depths, comma-separated")
+    ap.add_argument("--blocks", default="48,96", help="depths, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -117,8 +109,7 @@ def main():
             for b, learn in learners.items():
                 folder = learn.path / learn.model_dir
                 folder.mkdir(parents=True, exist_ok=True)
-                with contextlib.redirect_stdout(io.StringIO()):  # arm_resume's "found ..." line
-                    t, inf = measure(learn, folder)
+                t, inf = measure(learn, folder)
                 facts[b] = {"tensors": len(inf["tensors"]), "blobs": len(inf["blobs"]), "bytes": inf["size"]}
                 for op in OPS: times[b][op].append(t[op])
                 print(f"  round {r}: {b:3d} blocks, {facts[b]['tensors']:5d} tensors: " +
