@@ -3,6 +3,9 @@ background and synchronously, against no checkpointing, at several save interval
 rounds (each round runs every configuration once, in turn, so that a change in the machine's load
 falls on all of them), with medians and min-max over the rounds.
 
+The process's CPU time (all its threads) is reported beside the wall time: on a machine shared with
+other work, wall time mostly measures the others; CPU time measures the work a save adds.
+
 Also, per save: the **stall** (how long the training loop was blocked by the save: building the
 state tree, copying it, and waiting for a previous save still being written) against its limit,
 a copy of the same number of bytes between two warm buffers (`memcpy`), measured in the same run;
@@ -75,9 +78,9 @@ class TimedAutoCheckpoint(fastai_resume.AutoCheckpoint):
 def timed(path, iters, cbs):
     learn = learner(path, iters, cbs)
     with learn.no_bar(), learn.no_logging():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         learn.fit(1, 1e-4)
-        return time.perf_counter() - t0, learn
+        return time.perf_counter() - t0, time.process_time() - c0, learn
 
 
 def state_bytes(learn):
@@ -107,7 +110,10 @@ def main():
     intervals = [int(x) for x in a.every.split(",")]
     info = common.machine(HERE)
     runs = {"none": []}
-    for e in intervals: runs[f"background/{e}"], runs[f"synchronous/{e}"] = [], []
+    cpu = {"none": []}
+    for e in intervals:
+        runs[f"background/{e}"], runs[f"synchronous/{e}"] = [], []
+        cpu[f"background/{e}"], cpu[f"synchronous/{e}"] = [], []
     stalls = {k: [] for k in runs}  # every save but each run's first
     first = {k: [] for k in runs}  # each run's first save: the snapshot buffers are allocated then
     writes = {k: [] for k in runs}
@@ -121,8 +127,9 @@ def main():
                     mode, e = name.split("/")
                     cbs = [TimedAutoCheckpoint(every_iters=int(e), every_epoch=False, keep=2, resume=False,
                                                background=mode == "background")]
-                t, learn = timed(os.path.join(d, f"{r}-{name.replace('/', '-')}"), a.iters, cbs)
+                t, c, learn = timed(os.path.join(d, f"{r}-{name.replace('/', '-')}"), a.iters, cbs)
                 runs[name].append(t)
+                cpu[name].append(c)
                 if cbs:
                     first[name].append(cbs[0].stalls[0])
                     stalls[name].extend(cbs[0].stalls[1:])
@@ -139,13 +146,16 @@ def main():
         for mode in ("background", "synchronous"):
             k = f"{mode}/{e}"
             over = [100 * (t / n - 1) for t, n in zip(runs[k], runs["none"])]  # paired with its round's run
+            over_cpu = [100 * (t / n - 1) for t, n in zip(cpu[k], cpu["none"])]
             row[mode] = {"wall_s": common.stats(runs[k]), "overhead_pct": common.stats(over),
+                         "cpu_s": common.stats(cpu[k]), "cpu_overhead_pct": common.stats(over_cpu),
                          "stall_s": common.stats(stalls[k]), "first_stall_s": common.stats(first[k]),
                          "write_s": common.stats(writes[k])}
         row["interval_s"] = statistics.median(step_s) * e
         rows.append(row)
     payload = {"machine": info, "rounds": a.rounds, "iters": a.iters, "state_bytes": nbytes,
                "step_s": common.stats(step_s), "none_wall_s": common.stats(runs["none"]),
+               "none_cpu_s": common.stats(cpu["none"]),
                "memcpy_s": common.stats(memcpy), "rows": rows, "bench_seconds": time.perf_counter() - t_start}
     path = common.write("overhead", payload, a.json)
     print(f"\n{a.iters} steps of {1e3 * statistics.median(step_s):.0f} ms (median), saves of {nbytes / 1e6:.0f} MB, "

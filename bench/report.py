@@ -38,28 +38,33 @@ def overhead(res) -> str:
     out = [f"{res['iters']} training steps of {1e3 * res['step_s']['median']:.0f} ms "
            f"(range {1e3 * res['step_s']['min']:.0f} to {1e3 * res['step_s']['max']:.0f} over rounds), "
            f"saves of {res['state_bytes'] / 1e6:.0f} MB; without checkpointing a run took "
-           f"{_mm(res['none_wall_s'], fmt='{:.2f} s')}. Overheads are paired with the same round's run without "
+           f"{_mm(res['none_wall_s'], fmt='{:.2f} s')} and {_mm(res['none_cpu_s'], fmt='{:.2f} s')} of CPU time "
+           f"(all threads). Overheads are paired with the same round's run without "
            f"checkpointing. The stall is how long a save blocked the training loop (each run's first save "
            f"apart: a background save allocates its reusable buffers then); its limit is one copy of the "
            f"same bytes between two buffers already in memory: {mc:.0f} ms (median of the rounds).", "",
-           "| save every | saves | background: overhead | synchronous: overhead | background: stall per save "
+           "| save every | saves | background: wall overhead | synchronous: wall overhead "
+           "| background: CPU overhead | synchronous: CPU overhead | background: stall per save "
            "| background: first save's stall | synchronous: stall per save | background: write time per save |",
-           "|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for row in res["rows"]:
         bg, sy = row["background"], row["synchronous"]
         out.append(f"| {row['every']} steps ({row['interval_s']:.2f} s) | {row['saves']} "
                    f"| {_mm(bg['overhead_pct'], fmt='{:+.1f}%')} | {_mm(sy['overhead_pct'], fmt='{:+.1f}%')} "
+                   f"| {_mm(bg['cpu_overhead_pct'], fmt='{:+.1f}%')} | {_mm(sy['cpu_overhead_pct'], fmt='{:+.1f}%')} "
                    f"| {_mm(bg['stall_s'], 1e3, '{:.0f} ms')} | {_mm(bg['first_stall_s'], 1e3, '{:.0f} ms')} "
                    f"| {_mm(sy['stall_s'], 1e3, '{:.0f} ms')} "
                    f"| {_mm(bg['write_s'], 1e3, '{:.0f} ms')} |")
         o_bg, o_sy = bg["overhead_pct"]["median"], sy["overhead_pct"]["median"]
+        c_bg, c_sy = bg["cpu_overhead_pct"]["median"], sy["cpu_overhead_pct"]["median"]
         longer = row["interval_s"] > bg["write_s"]["median"]
         verdicts.append(f"- every {row['every']} steps: the interval is {'longer' if longer else 'shorter'} than a "
                         f"background save's write ({row['interval_s']:.2f} s against {bg['write_s']['median']:.2f} s); "
-                        f"background {'cheaper' if o_bg < o_sy else 'not cheaper'} than synchronous "
-                        f"({o_bg:+.1f}% against {o_sy:+.1f}%)" +
-                        (f"; within 5% of no checkpointing: {'met' if o_bg <= 5 else 'not met'}" if longer else "") +
+                        f"background {'cheaper' if o_bg < o_sy else 'not cheaper'} than synchronous in wall time "
+                        f"({o_bg:+.1f}% against {o_sy:+.1f}%), {'cheaper' if c_bg < c_sy else 'not cheaper'} in CPU time "
+                        f"({c_bg:+.1f}% against {c_sy:+.1f}%)" +
+                        (f"; wall time within 5% of no checkpointing: {'met' if o_bg <= 5 else 'not met'}" if longer else "") +
                         f"; background stall per save {bg['stall_s']['median'] * 1e3 / mc:.1f}x the memcpy.")
     return "\n".join(out + [""] + verdicts + ["", machine_line(res)])
 
