@@ -24,9 +24,14 @@ def _mm(s, scale=1.0, fmt="{:.2f}"):
     return f"{fmt.format(s['median'] * scale)} ({fmt.format(s['min'] * scale)} to {fmt.format(s['max'] * scale)})"
 
 
-def machine_line(res) -> str:
+COMMANDS = {"resume": "python bench/resume.py",
+            "ddp_control": "python -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py"}
+
+
+def machine_line(res, name=None) -> str:
     m = res.get("machine")
-    if not m: return f"`{res.get('command', '?')}`; no machine description in its JSON."
+    if not m: return (f"From a run of `{res.get('command') or COMMANDS.get(name, '?')}` whose JSON records neither "
+                      "the machine nor the spread over rounds.")
     d = m["disk"]
     return (f"Measured {m['date']} by `{res['command']}`: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
             f"{d['fs']} on {d['device']}, load average {m['loadavg_at_start']:.1f} at the start (a machine shared with "
@@ -58,6 +63,15 @@ def overhead(res) -> str:
                    f"| {_mm(bg['write_s'], 1e3, '{:.0f} ms')} |")
         o_bg, o_sy = bg["overhead_pct"]["median"], sy["overhead_pct"]["median"]
         c_bg, c_sy = bg["cpu_overhead_pct"]["median"], sy["cpu_overhead_pct"]["median"]
+        spread = max(x["max"] - x["min"] for x in (bg["overhead_pct"], sy["overhead_pct"]))
+        if spread > NOISE:  # a median inside a range this wide says nothing either way
+            verdicts.append(f"- every {row['every']} steps: wall and CPU overheads not measurable on this machine "
+                            f"at the time (the rounds span {spread:.0f} percentage points); background stall per "
+                            f"save {bg['stall_s']['median'] * 1e3:.0f} ms against {sy['stall_s']['median'] * 1e3:.0f} ms "
+                            f"synchronous, {bg['stall_s']['median'] * 1e3 / mc:.1f}x the memcpy; the interval is "
+                            f"{'longer' if row['interval_s'] > bg['write_s']['median'] else 'shorter'} than a background "
+                            f"save's write ({row['interval_s']:.2f} s against {bg['write_s']['median']:.2f} s).")
+            continue
         longer = row["interval_s"] > bg["write_s"]["median"]
         verdicts.append(f"- every {row['every']} steps: the interval is {'longer' if longer else 'shorter'} than a "
                         f"background save's write ({row['interval_s']:.2f} s against {bg['write_s']['median']:.2f} s); "
@@ -69,6 +83,7 @@ def overhead(res) -> str:
     return "\n".join(out + [""] + verdicts + ["", machine_line(res)])
 
 
+NOISE = 20  # percentage points between the rounds' extremes beyond which no overhead verdict is given
 OPS = ("save", "load", "info", "verify", "learn.load")
 
 
@@ -125,13 +140,13 @@ def resume(res) -> str:
                 f"({'met' if last['ours_s'] <= 1.2 * k0 else 'not met'}: {last['ours_s'] / k0:.2f}x) and at least 50x "
                 f"faster than the seed's approach ({'met' if last['seed_s'] >= 50 * last['ours_s'] else 'not met'}: "
                 f"{last['seed_s'] / last['ours_s']:,.0f}x)."]
-    return "\n".join(out + ["", machine_line(res)])
+    return "\n".join(out + ["", machine_line(res, "resume")])
 
 
 def ddp_control(res) -> str:
     return (f"World size {res['world_size']}, {res['iters']:,} calls: the agreement takes {res['agree_any_us']:.0f} µs "
             f"per batch, DDP's own gradient all-reduce of the test suite's 9,610-parameter MLP "
-            f"{res['grad_allreduce_us']:.0f} µs ({res['agree_any_us'] / res['grad_allreduce_us']:.2f}x).\n\n" + machine_line(res))
+            f"{res['grad_allreduce_us']:.0f} µs ({res['agree_any_us'] / res['grad_allreduce_us']:.2f}x).\n\n" + machine_line(res, "ddp_control"))
 
 
 RENDER = {"io": io, "resume": resume, "overhead": overhead, "scale": scale, "ddp_control": ddp_control}
