@@ -39,8 +39,9 @@ class AutoCheckpoint(Callback):
     - `every_iters=N`: after every training batch whose `train_iter` (batches trained in this fit) is a
       multiple of N, whatever the epoch-end saves do.
     - `background=True`: the state is copied at the batch boundary (into the previous save's
-      buffers) and written by a thread with the GIL released while training goes on; at most one save is in flight (a save due while one is
-      still writing waits for it), and the fit's end waits for it. A failed save raises at the next
+      buffers) and written by a thread with the GIL released while training goes on; at most one
+      save is in flight (a save due while one is still writing waits for it), and the fit's end
+      waits for it. A failed save raises at the next
       batch boundary (`on_error='warn'`: a loud warning instead, for background and synchronous saves).
       A save that finds the disk full removes this run's older checkpoints (never the newest valid
       one) and tries again once.
