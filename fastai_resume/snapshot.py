@@ -59,7 +59,7 @@ class SnapshotPool:
             lent.append((key, buf))
             return buf
 
-        storages: dict = {}
+        storages: dict = {}  # (device, address, size) -> copy, (the source, kept so its address stays its own)
         memo: dict = {}  # id -> copy (the encoder writes one table entry per object)
         cuda = set()
 
@@ -69,7 +69,7 @@ class SnapshotPool:
             st = t.untyped_storage()
             n = st.nbytes()
             skey = (t.device, st.data_ptr(), n)
-            new = storages.get(skey)
+            new = storages.get(skey, (None,))[0]
             if new is None:
                 pinned = t.device.type == "cuda"
                 new = take(("torch", pinned, n), lambda: torch.empty(n, dtype=torch.uint8, pin_memory=pinned).untyped_storage())
@@ -78,7 +78,7 @@ class SnapshotPool:
                     new.copy_(st, non_blocking=True)
                     cuda.add(t.device)
                 else: new.copy_(st.cpu())
-                storages[skey] = new
+                storages[skey] = new, t
             return torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.shape, t.stride())
 
         def copy_array(a: np.ndarray) -> np.ndarray:

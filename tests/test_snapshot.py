@@ -88,3 +88,10 @@ def test_an_unstorable_value_fails_when_the_save_starts_with_its_path(tmp_path):
     with pytest.raises(TypeError, match=r"\['train'\]\['cb'\]\['bad'\]"):
         BackgroundCommit({"train": {"cb": {"bad": object()}}}, tmp_path / "x.frk")
     assert not (tmp_path / "x.frk").exists()
+
+
+def test_conjugated_views_resolved_one_after_another_each_keep_their_own_values(tmp_path):
+    # each resolved view is a temporary storage of the same size: its address may be reused
+    zs = [torch.full((1000,), complex(i, i + 1)) for i in range(20)]
+    snap = SnapshotPool().snapshot([z.conj() for z in zs])
+    assert [complex(s[0]) for s in snap] == [complex(i, -(i + 1)) for i in range(20)]
