@@ -1,24 +1,29 @@
 """Checkpoint I/O benchmark: this format against torch.save/torch.load(mmap), safetensors and a raw
-write/read of the same bytes, in one run, on one file system, with fsync for every contender.
+write/read of the same bytes, in one run, on the disk and on tmpfs, with fsync for every contender,
+in interleaved rounds (medians with min-max; the ratio to the raw write and read is paired by round).
 
 State: torchvision's ViT-L/16 (about 1.1 GiB of float32 parameters, randomly initialised: nothing
 is downloaded) plus Adam's two moment buffers. Save = serialise + write + fsync. Load = open and
 read every tensor once, after the file's pages were dropped from the page cache (fadvise), so
 every contender reads from the disk. Prints a table, writes JSON (bench/results/io.json).
 
-    python bench/io.py [--dir DIR] [--rounds 2] [--small]
+    python bench/io.py [--dir DIR ...] [--rounds 3] [--small]
 """
 import argparse
 import gc
-import json
 import os
+import shutil
 import sys
 import threading
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+import report  # noqa: E402
 import fastai_resume as fr  # noqa: E402
 
 
@@ -130,50 +135,63 @@ CONTENDERS = [("fastai_resume", save_ours, load_ours), ("torch.save/load(mmap)",
               ("safetensors", save_st, load_st), ("raw write/read", save_raw, load_raw)]
 
 
+def run_dir(tree, nbytes, d, rounds):
+    "Every contender's save and load in `d`, in interleaved rounds: seconds and peak memory per round."
+    os.makedirs(d, exist_ok=True)
+    res = {name: {"save": [], "load": [], "peak_extra": []} for name, _, _ in CONTENDERS}
+    p = os.path.join(d, "ckpt")
+    try:
+        for r in range(rounds):
+            for name, save, load in CONTENDERS:
+                if os.path.exists(p): os.remove(p)
+                gc.collect()
+                with PeakRSS() as pk:
+                    t0 = time.perf_counter()
+                    save(tree, p)
+                    ts = time.perf_counter() - t0
+                drop_cache(p)
+                gc.collect()
+                t0 = time.perf_counter()
+                loaded = load(p)
+                touch_all(loaded)
+                tl = time.perf_counter() - t0
+                del loaded
+                res[name]["save"].append(ts)
+                res[name]["load"].append(tl)
+                res[name]["peak_extra"].append(pk.extra)
+                os.remove(p)
+                print(f"  {d} round {r}: {name:24s} save {ts:7.2f}s  load {tl:7.2f}s  peak +{pk.extra / 2**20:7.0f} MiB",
+                      flush=True)
+    finally:
+        if os.path.exists(p): os.remove(p)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "io-tmp"))
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dir", action="append", default=None,
+                    help="a folder to write in (repeatable); default: bench/results/io-tmp (disk) and /dev/shm (tmpfs)")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="ViT-B/16 instead of ViT-L/16 (a quick check)")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "io.json"))
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    os.makedirs(a.dir, exist_ok=True)
+    dirs = a.dir or [os.path.join(HERE, "results", "io-tmp"), f"/dev/shm/frk-io-{os.getpid()}"]
     tree = make_state(a.small)
     nbytes = touch_all(tree)
-    print(f"state: {nbytes / 2**30:.2f} GiB ({'ViT-B/16' if a.small else 'ViT-L/16'} + Adam), dir {a.dir}")
-    res = {name: {"save": [], "load": [], "peak_extra": []} for name, _, _ in CONTENDERS}
-    for r in range(a.rounds):
-        for name, save, load in CONTENDERS:
-            p = os.path.join(a.dir, "ckpt")
-            if os.path.exists(p): os.remove(p)
-            gc.collect()
-            with PeakRSS() as pk:
-                t0 = time.perf_counter()
-                save(tree, p)
-                ts = time.perf_counter() - t0
-            drop_cache(p)
-            gc.collect()
-            t0 = time.perf_counter()
-            loaded = load(p)
-            touch_all(loaded)
-            tl = time.perf_counter() - t0
-            del loaded
-            res[name]["save"].append(ts)
-            res[name]["load"].append(tl)
-            res[name]["peak_extra"].append(pk.extra)
-            os.remove(p)
-            print(f"  round {r}: {name:24s} save {ts:7.2f}s  load {tl:7.2f}s  peak +{pk.extra / 2**20:7.0f} MiB", flush=True)
-    best = {n: {k: min(v) for k, v in d.items()} for n, d in res.items()}
-    ours = best["fastai_resume"]
-    print("\n| contender | save s | save GB/s | load s | load GB/s | peak RSS above state | ours vs it (save) | ours vs it (load) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for n, b in best.items():
-        print(f"| {n} | {b['save']:.2f} | {nbytes / b['save'] / 1e9:.2f} | {b['load']:.2f} | {nbytes / b['load'] / 1e9:.2f} | "
-              f"{b['peak_extra'] / 2**20:.0f} MiB | {b['save'] / ours['save']:.2f}x | {b['load'] / ours['load']:.2f}x |")
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump({"bytes": nbytes, "rounds": res, "best": best, "crc32c": fr._core.crc32c_impl}, f, indent=1)
-    print(f"\nwrote {a.json} (best of {a.rounds} rounds; ratios > 1 mean fastai_resume is faster)")
+    print(f"state: {nbytes / 2**30:.2f} GiB ({'ViT-B/16' if a.small else 'ViT-L/16'} + Adam)")
+    places = []
+    for d in dirs:
+        res = run_dir(tree, nbytes, d, a.rounds)
+        rows = {name: {k: common.stats(v) for k, v in m.items()} for name, m in res.items()}
+        ours, raw = res["fastai_resume"], res["raw write/read"]
+        ratio = {k: common.stats([x / y for x, y in zip(ours[k], raw[k])]) for k in ("save", "load")}  # paired by round
+        places.append({"dir": d, "disk": common.machine(d)["disk"], "contenders": rows, "ours_over_raw": ratio})
+        if d.startswith("/dev/shm/"): shutil.rmtree(d, ignore_errors=True)
+    payload = {"machine": common.machine(HERE), "rounds": a.rounds, "bytes": nbytes,
+               "state": "ViT-B/16" if a.small else "ViT-L/16", "crc32c": fr._core.crc32c_impl, "places": places}
+    path = common.write("io", payload, a.json)
+    print(report.render_file("io", path))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,27 @@
-"""Checkpointing overhead on training: wall time of a fastai run with AutoCheckpoint every 50
-iterations, with background saves and with synchronous saves, against no checkpointing, in one run.
+"""Checkpointing overhead on training: wall time of a fastai run with AutoCheckpoint saving in the
+background and synchronously, against no checkpointing, at several save intervals, in interleaved
+rounds (each round runs every configuration once, in turn, so that a change in the machine's load
+falls on all of them), with medians and min-max over the rounds.
+
+The process's CPU time (all its threads) is reported beside the wall time: on a machine shared with
+other work, wall time mostly measures the others; CPU time measures the work a save adds.
+
+Also, per save: the **stall** (how long the training loop was blocked by the save: building the
+state tree, copying it, and waiting for a previous save still being written) against its limit,
+a copy of the same number of bytes between two warm buffers (`memcpy`), measured in the same run;
+each run's first save is reported apart (a background save allocates its reusable buffers then).
 
 Model: a frozen embedding table of 50,000 x 1,024 float32 (205 MB, a stand-in for a frozen
 backbone) under a trainable MLP head trained with Adam: about 230 MB of checkpointed state and a
-step of tens of milliseconds on this machine's CPU. (A model whose 200 MB are all trained cannot
-step in tens of ms here: Adam's update alone over 200 MB takes about 0.2 s on this machine's
-memory bandwidth.) Every save is fsynced.
-Prints a table, writes JSON (bench/results/overhead.json).
+step of tens of milliseconds on a small CPU. Every save is fsynced. The shortest interval asks for
+saves faster than one can be written: at most one save is in flight, and a save that falls due
+while the previous one is still being written waits for it (the wait is part of the stall).
 
-    python bench/overhead.py [--iters 300] [--every 50] [--rounds 2]
+    python bench/overhead.py [--iters 100] [--every 50,10,5] [--rounds 5]
 """
 import argparse
-import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -20,8 +29,13 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+import report  # noqa: E402
 import fastai_resume  # noqa: E402
+import fastai.callback.progress  # noqa: E402,F401  (Learner.no_bar)
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
@@ -41,48 +55,113 @@ def learner(path, iters, cbs):
                    cbs=cbs, train_bn=False)
 
 
+class TimedAutoCheckpoint(fastai_resume.AutoCheckpoint):
+    "AutoCheckpoint recording, per save, how long it blocked training and how long its write took."
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.stalls, self.writes = [], []
+
+    def _save(self, background=None):
+        t0 = time.perf_counter()
+        r = super()._save(background)
+        dt = time.perf_counter() - t0
+        if r is not None: self.stalls.append(dt)
+        if not (self.background if background is None else background): self.writes.append(dt)
+        return r
+
+    def _check_inflight(self, block):
+        w = self._inflight[0] if self._inflight is not None else None
+        super()._check_inflight(block)
+        if w is not None and self._inflight is None: self.writes.append(w.seconds)
+
+
 def timed(path, iters, cbs):
     learn = learner(path, iters, cbs)
     with learn.no_bar(), learn.no_logging():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         learn.fit(1, 1e-4)
-        return time.perf_counter() - t0, learn
+        return time.perf_counter() - t0, time.process_time() - c0, learn
+
+
+def state_bytes(learn):
+    opt = sum(t.numel() * t.element_size() for st in learn.opt.state.values() for t in st.values()
+              if isinstance(t, torch.Tensor))
+    return sum(v.numel() * v.element_size() for v in learn.model.state_dict().values()) + opt
+
+
+def memcpy_seconds(nbytes, reps=3):
+    "The limit of a snapshot: one copy of `nbytes` between two buffers already in memory."
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--every", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json"))
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--every", default="50,10,5", help="save intervals in steps, comma-separated")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    configs = {"no checkpointing": lambda: [],
-               "AutoCheckpoint, background": lambda: [fastai_resume.AutoCheckpoint(every_iters=a.every, every_epoch=False, keep=2, resume=False)],
-               "AutoCheckpoint, synchronous": lambda: [fastai_resume.AutoCheckpoint(every_iters=a.every, every_epoch=False, keep=2, resume=False, background=False)]}
-    times = {k: [] for k in configs}
-    state_mb = None
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(__file__))) as d:
+    intervals = [int(x) for x in a.every.split(",")]
+    info = common.machine(HERE)
+    runs = {"none": []}
+    cpu = {"none": []}
+    for e in intervals:
+        runs[f"background/{e}"], runs[f"synchronous/{e}"] = [], []
+        cpu[f"background/{e}"], cpu[f"synchronous/{e}"] = [], []
+    stalls = {k: [] for k in runs}  # every save but each run's first
+    first = {k: [] for k in runs}  # each run's first save: the snapshot buffers are allocated then
+    writes = {k: [] for k in runs}
+    memcpy, nbytes, step_s = [], None, []
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=HERE) as d:
         for r in range(a.rounds):
-            for name, make in configs.items():
-                t, learn = timed(os.path.join(d, f"{r}-{len(times[name])}-{name[:4]}"), a.iters, make())
-                times[name].append(t)
-                if state_mb is None:
-                    opt_bytes = sum(t.numel() * t.element_size() for st in learn.opt.state.values()
-                                    for t in st.values() if isinstance(t, torch.Tensor))
-                    state_mb = (sum(v.numel() * v.element_size() for v in learn.model.state_dict().values()) + opt_bytes) / 1e6
-                print(f"  round {r}: {name:28s} {t:7.2f}s", flush=True)
-    best = {k: min(v) for k, v in times.items()}
-    base = best["no checkpointing"]
-    n_saves = a.iters // a.every
-    print(f"\n{a.iters} iterations, {n_saves} saves of ~{state_mb:.0f} MB (model and Adam state), "
-          f"{base / a.iters * 1e3:.0f} ms per step")
-    print("| run | wall time | overhead vs none |")
-    print("|---|---|---|")
-    for k, t in best.items(): print(f"| {k} | {t:.2f} s | {100 * (t / base - 1):+.1f}% |")
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump({"iters": a.iters, "every": a.every, "state_mb": state_mb, "times": times, "best": best}, f, indent=1)
-    print(f"\nwrote {a.json} (best of {a.rounds} rounds)")
+            for name in runs:
+                cbs = []
+                if name != "none":
+                    mode, e = name.split("/")
+                    cbs = [TimedAutoCheckpoint(every_iters=int(e), every_epoch=False, keep=2, resume=False,
+                                               background=mode == "background")]
+                t, c, learn = timed(os.path.join(d, f"{r}-{name.replace('/', '-')}"), a.iters, cbs)
+                runs[name].append(t)
+                cpu[name].append(c)
+                if cbs:
+                    first[name].append(cbs[0].stalls[0])
+                    stalls[name].extend(cbs[0].stalls[1:])
+                    writes[name].extend(cbs[0].writes)
+                else: step_s.append(t / a.iters)
+                if nbytes is None: nbytes = state_bytes(learn)
+                del learn
+                print(f"  round {r}: {name:16s} {t:7.2f} s" + (f"  stall per save {1e3 * statistics.median(cbs[0].stalls):6.1f} ms"
+                                                          if cbs else ""), flush=True)
+            memcpy.append(memcpy_seconds(nbytes))
+    rows = []
+    for e in intervals:
+        row = {"every": e, "saves": a.iters // e}
+        for mode in ("background", "synchronous"):
+            k = f"{mode}/{e}"
+            over = [100 * (t / n - 1) for t, n in zip(runs[k], runs["none"])]  # paired with its round's run
+            over_cpu = [100 * (t / n - 1) for t, n in zip(cpu[k], cpu["none"])]
+            row[mode] = {"wall_s": common.stats(runs[k]), "overhead_pct": common.stats(over),
+                         "cpu_s": common.stats(cpu[k]), "cpu_overhead_pct": common.stats(over_cpu),
+                         "stall_s": common.stats(stalls[k]), "first_stall_s": common.stats(first[k]),
+                         "write_s": common.stats(writes[k])}
+        row["interval_s"] = statistics.median(step_s) * e
+        rows.append(row)
+    payload = {"machine": info, "rounds": a.rounds, "iters": a.iters, "state_bytes": nbytes,
+               "step_s": common.stats(step_s), "none_wall_s": common.stats(runs["none"]),
+               "none_cpu_s": common.stats(cpu["none"]),
+               "memcpy_s": common.stats(memcpy), "rows": rows, "bench_seconds": time.perf_counter() - t_start}
+    path = common.write("overhead", payload, a.json)
+    print(f"\n{a.iters} steps of {1e3 * statistics.median(step_s):.0f} ms (median), saves of {nbytes / 1e6:.0f} MB, "
+          f"{a.rounds} rounds; memcpy of the same bytes {1e3 * statistics.median(memcpy):.0f} ms")
+    print(report.render_file("overhead", path))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -14,47 +14,16 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
 from fastai.callback.core import Callback
 
 from . import check, checkpoint, dist, io, paths
 from .io import CheckpointError
 from .session import script, session_of
+from .snapshot import BackgroundCommit, SnapshotPool
 
-__all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE", "snapshot"]
+__all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE"]
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
-
-
-def snapshot(tree):
-    """A copy of `tree` whose tensors training can no longer change: CPU storages are cloned,
-    CUDA storages copied into pinned host memory. Tensors sharing a storage keep sharing it."""
-    storages: dict = {}
-    cuda = []
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        key = (t.device, st.data_ptr())
-        new = storages.get(key)
-        if new is None:
-            if t.device.type == "cpu":
-                new = st.clone()
-            else:
-                new = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=True).untyped_storage()
-                new.copy_(st, non_blocking=True)
-                cuda.append(t.device)
-            storages[key] = new
-        return torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.shape, t.stride())
-
-    def walk(v):
-        if isinstance(v, torch.Tensor): return copy(v.detach())
-        if isinstance(v, dict): return {k: walk(x) for k, x in v.items()}
-        if isinstance(v, list): return [walk(x) for x in v]
-        if isinstance(v, tuple): return tuple(walk(x) for x in v)
-        return v
-    out = walk(tree)
-    for dev in set(cuda): torch.cuda.synchronize(dev)
-    return out
 
 
 class AutoCheckpoint(Callback):
@@ -69,9 +38,10 @@ class AutoCheckpoint(Callback):
       Files of other runs, and any file not named so, are never touched.
     - `every_iters=N`: after every training batch whose `train_iter` (batches trained in this fit) is a
       multiple of N, whatever the epoch-end saves do.
-    - `background=True`: the state is copied at the batch boundary and written by a C thread with
-      the GIL released while training goes on; at most one save is in flight (a save due while one is
-      still writing waits for it), and the fit's end waits for it. A failed save raises at the next
+    - `background=True`: the state is copied at the batch boundary (into the previous save's
+      buffers) and written by a thread with the GIL released while training goes on; at most one
+      save is in flight (a save due while one is still writing waits for it), and the fit's end
+      waits for it. A failed save raises at the next
       batch boundary (`on_error='warn'`: a loud warning instead, for background and synchronous saves).
       A save that finds the disk full removes this run's older checkpoints (never the newest valid
       one) and tries again once.
@@ -100,7 +70,8 @@ class AutoCheckpoint(Callback):
         self.fname, self.every_iters, self.every_seconds, self.every_epoch = fname, every_iters, every_seconds, every_epoch
         self.keep, self.background, self.resume, self.preempt, self.on_error = keep, background, resume, preempt, on_error
         self.fast_forward = fast_forward
-        self._inflight = None  # (Writer, final path)
+        self._inflight = None  # (BackgroundCommit, final path)
+        self._pool = SnapshotPool()  # background saves copy into the previous save's buffers
         self._failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
         self._resumed_once = False
         self._lock = None  # the open lock file of this run
@@ -255,6 +226,7 @@ class AutoCheckpoint(Callback):
 
     def after_fit(self):
         self._check_inflight(block=True)
+        self._pool.release()
         self._restore_handler()
         if dist.active() and dist.agree_any(4 if self._failure is not None else 0): self._raise_failure()
 
@@ -326,8 +298,7 @@ class AutoCheckpoint(Callback):
         if tree is None: return path  # not rank 0: nothing to write
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            w = io.encode(snapshot(tree))
-            w.commit_async(str(path))
+            w = BackgroundCommit(tree, path, self._pool)
         except (OSError, TypeError, ValueError, RuntimeError) as e:
             if not dist.active(): raise
             self._fail(f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints "

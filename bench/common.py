@@ -1,0 +1,61 @@
+"""What every benchmark writes with its figures: the statistics of its rounds (median, min, max)
+and a description of the machine it ran on, into one JSON file per benchmark under bench/results/
+(which `python bench/report.py` turns into the README's tables)."""
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def stats(values) -> dict:
+    "Median, min and max of one measurement over rounds, with the values themselves."
+    values = [float(v) for v in values]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": values}
+
+
+def _disk(path):
+    "The file system and block device holding `path`, and whether the kernel calls it rotational."
+    path = os.path.realpath(path)
+    best = ("?", "?", "/")
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fs = line.split()[:3]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[2]):
+                best = (dev, fs, mnt)
+    dev, fs, mnt = best
+    out = {"path": path, "device": dev, "fs": fs, "mount": mnt}
+    name = os.path.basename(dev)
+    rot = f"/sys/block/{name}/queue/rotational"
+    if os.path.exists(rot):
+        with open(rot) as f: out["rotational"] = f.read().strip() == "1"
+    return out
+
+
+def machine(data_dir=RESULTS) -> dict:
+    "Cores, CPU, memory, the disk the benchmark wrote to, the date, and how loaded the machine was."
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError: pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+    return {"cores": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem / 2**30, 1), "disk": _disk(data_dir),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "loadavg_at_start": os.getloadavg()[0], "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads()}
+
+
+def write(name: str, payload: dict, path=None) -> str:
+    "Write `payload` (plus the command that made it) as bench/results/NAME.json; returns the path."
+    path = path or os.path.join(RESULTS, f"{name}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    payload = {"benchmark": name, "command": " ".join(["python"] + [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+               **payload}
+    with open(path, "w") as f: json.dump(payload, f, indent=1)
+    return path

@@ -1,0 +1,97 @@
+"""Background saves copy everything mutable at the batch boundary: what training changes after the
+snapshot is taken never reaches the file, which holds the old values and verifies."""
+import numpy as np
+import pytest
+import torch
+
+import fastai_resume as fr
+from fastai_resume.snapshot import BackgroundCommit, SnapshotPool
+
+
+def state():
+    return {"model": {"w": torch.arange(1_000_000, dtype=torch.float32)},
+            "train": {"cb": {"counts": np.arange(1_000_000, dtype=np.int64), "raw": bytearray(b"abcd")}}}
+
+
+def mutate(tree):
+    tree["model"]["w"].fill_(-1)
+    tree["train"]["cb"]["counts"][:] = -1
+    tree["train"]["cb"]["raw"][:] = b"zzzz"
+
+
+def test_a_numpy_array_changed_after_a_background_save_starts_is_saved_with_its_old_values(tmp_path):
+    tree = state()
+    tree["model"]["big"] = torch.zeros(64 << 20, dtype=torch.uint8)  # written before the array
+    bc = BackgroundCommit(tree, tmp_path / "a.frk")
+    tree["train"]["cb"]["counts"][:] = -1  # training goes on while the thread writes
+    mutate(tree)
+    bc.wait()
+    fr.info(tmp_path / "a.frk", verify=True)  # every checksum holds
+    back = fr.load(tmp_path / "a.frk")
+    assert np.array_equal(back["train"]["cb"]["counts"], np.arange(1_000_000))
+    assert torch.equal(back["model"]["w"], torch.arange(1_000_000, dtype=torch.float32))
+    assert back["train"]["cb"]["raw"] == b"abcd"
+    assert tree["train"]["cb"]["counts"][0] == -1  # the control: training's own array did change
+
+
+def test_a_snapshot_is_independent_of_every_array_tensor_and_bytearray_of_the_tree(tmp_path):
+    tree = state()
+    snap = SnapshotPool().snapshot(tree)
+    mutate(tree)
+    fr.save(snap, tmp_path / "s.frk")
+    back = fr.load(tmp_path / "s.frk")
+    assert back["train"]["cb"]["counts"][-1] == 999_999
+    assert back["model"]["w"][-1].item() == 999_999
+    assert back["train"]["cb"]["raw"] == b"abcd"
+
+
+def test_the_second_snapshot_reuses_the_first_ones_buffers_and_holds_the_new_values():
+    pool = SnapshotPool()
+    tree = state()
+    first = pool.snapshot(tree)
+    ptr, arr = first["model"]["w"].untyped_storage().data_ptr(), first["train"]["cb"]["counts"]
+    mutate(tree)
+    second = pool.snapshot(tree)
+    assert second["model"]["w"].untyped_storage().data_ptr() == ptr
+    assert second["train"]["cb"]["counts"] is arr
+    assert second["model"]["w"][0].item() == -1 and second["train"]["cb"]["counts"][0] == -1
+
+
+def test_tensors_sharing_a_storage_share_it_in_the_snapshot_and_in_the_file(tmp_path):
+    base = torch.arange(10.0)
+    snap = SnapshotPool().snapshot({"a": base, "b": base[2:5], "c": base.view(2, 5).t()})
+    assert snap["a"].untyped_storage().data_ptr() == snap["b"].untyped_storage().data_ptr() \
+        == snap["c"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    fr.save(snap, tmp_path / "s.frk")
+    back = fr.load(tmp_path / "s.frk")
+    assert torch.equal(back["c"], base.view(2, 5).t())
+    assert back["b"].untyped_storage().data_ptr() == back["a"].untyped_storage().data_ptr()
+
+
+def test_a_conjugated_or_negated_view_keeps_its_values_in_the_snapshot(tmp_path):
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    x = torch.tensor([1.0, 2.0])
+    fr.save(SnapshotPool().snapshot({"conj": z.conj(), "neg": x._neg_view()}), tmp_path / "s.frk")
+    back = fr.load(tmp_path / "s.frk")
+    assert torch.equal(back["conj"], torch.tensor([1 - 2j, 3 + 4j]))
+    assert torch.equal(back["neg"], torch.tensor([-1.0, -2.0]))
+
+
+def test_a_failed_background_write_raises_at_wait_with_the_path(tmp_path):
+    bc = BackgroundCommit(state(), tmp_path / "missing-dir" / "x.frk")
+    with pytest.raises(OSError, match="missing-dir"):
+        bc.wait()
+    assert bc.done
+
+
+def test_an_unstorable_value_fails_when_the_save_starts_with_its_path(tmp_path):
+    with pytest.raises(TypeError, match=r"\['train'\]\['cb'\]\['bad'\]"):
+        BackgroundCommit({"train": {"cb": {"bad": object()}}}, tmp_path / "x.frk")
+    assert not (tmp_path / "x.frk").exists()
+
+
+def test_conjugated_views_resolved_one_after_another_each_keep_their_own_values(tmp_path):
+    # each resolved view is a temporary storage of the same size: its address may be reused
+    zs = [torch.full((1000,), complex(i, i + 1)) for i in range(20)]
+    snap = SnapshotPool().snapshot([z.conj() for z in zs])
+    assert [complex(s[0]) for s in snap] == [complex(i, -(i + 1)) for i in range(20)]
