@@ -1,6 +1,7 @@
 """What every benchmark writes with its figures: the statistics of its rounds (median, min, max)
 and a description of the machine it ran on, into one JSON file per benchmark under bench/results/
 (which `python bench/report.py` turns into the README's tables)."""
+
 import datetime
 import json
 import os
@@ -14,8 +15,13 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 def stats(values) -> dict:
     "Median, min and max of one measurement over rounds, with the values themselves."
     values = [float(v) for v in values]
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
-            "values": values}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "values": values,
+    }
 
 
 def _disk(path):
@@ -32,7 +38,8 @@ def _disk(path):
     name = os.path.basename(dev)
     rot = f"/sys/block/{name}/queue/rotational"
     if os.path.exists(rot):
-        with open(rot) as f: out["rotational"] = f.read().strip() == "1"
+        with open(rot) as f:
+            out["rotational"] = f.read().strip() == "1"
     return out
 
 
@@ -42,20 +49,33 @@ def machine(data_dir=RESULTS) -> dict:
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError: pass
+    except OSError:
+        pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     import torch
-    return {"cores": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem / 2**30, 1), "disk": _disk(data_dir),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "loadavg_at_start": os.getloadavg()[0], "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads()}
+
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(mem / 2**30, 1),
+        "disk": _disk(data_dir),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "loadavg_at_start": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def write(name: str, payload: dict, path=None) -> str:
     "Write `payload` (plus the command that made it) as bench/results/NAME.json; returns the path."
     path = path or os.path.join(RESULTS, f"{name}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    payload = {"benchmark": name, "command": " ".join(["python"] + [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-               **payload}
-    with open(path, "w") as f: json.dump(payload, f, indent=1)
+    payload = {
+        "benchmark": name,
+        "command": " ".join(["python"] + [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        **payload,
+    }
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
     return path

@@ -9,6 +9,7 @@ every contender reads from the disk. Prints a table, writes JSON (bench/results/
 
     python bench/io.py [--dir DIR ...] [--rounds 3] [--small]
 """
+
 import argparse
 import gc
 import os
@@ -24,15 +25,18 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
 import report  # noqa: E402
+
 import fastai_resume as fr  # noqa: E402
 
 
 def rss():
-    with open("/proc/self/statm") as f: return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class PeakRSS:
     "Samples the resident set every 2 ms while the block runs; .extra = peak above the start."
+
     def __enter__(self):
         self.base, self.peak, self.stop = rss(), rss(), False
         self.t = threading.Thread(target=self._run, daemon=True)
@@ -52,27 +56,37 @@ class PeakRSS:
 
 def make_state(small):
     import torchvision
+
     torch.manual_seed(0)
     model = torchvision.models.vit_b_16() if small else torchvision.models.vit_l_16()
     params = {k: v.detach() for k, v in model.state_dict().items()}
-    opt = {"state": {i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
-                     for i, p in enumerate(params.values()) if p.is_floating_point()},
-           "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                             "params": list(range(len(params)))}]}
+    opt = {
+        "state": {
+            i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+            for i, p in enumerate(params.values())
+            if p.is_floating_point()
+        },
+        "param_groups": [
+            {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": list(range(len(params)))}
+        ],
+    }
     return {"model": params, "opt": opt}
 
 
 def flat(tree):
     out = {f"model.{k}": v for k, v in tree["model"].items()}
     for i, s in tree["opt"]["state"].items():
-        for k, v in s.items(): out[f"opt.{i}.{k}"] = v
+        for k, v in s.items():
+            out[f"opt.{i}.{k}"] = v
     return out
 
 
 def fsync_path(p):
     fd = os.open(p, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def drop_cache(p):
@@ -80,7 +94,8 @@ def drop_cache(p):
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally: os.close(fd)
+    finally:
+        os.close(fd)
 
 
 def touch_all(tree):
@@ -90,15 +105,22 @@ def touch_all(tree):
     while stack:
         v = stack.pop()
         if isinstance(v, torch.Tensor):
-            if v.numel(): v.view(-1)[:: max(1, 4096 // v.element_size())].sum()  # one read per page
+            if v.numel():
+                v.view(-1)[:: max(1, 4096 // v.element_size())].sum()  # one read per page
             n += v.numel() * v.element_size()
-        elif isinstance(v, dict): stack.extend(v.values())
-        elif isinstance(v, (list, tuple)): stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
     return n
 
 
-def save_ours(tree, p): fr.save(tree, p)
-def load_ours(p): return fr.load(p)
+def save_ours(tree, p):
+    fr.save(tree, p)
+
+
+def load_ours(p):
+    return fr.load(p)
 
 
 def save_torch(tree, p):
@@ -106,15 +128,22 @@ def save_torch(tree, p):
         torch.save(tree, f)
         f.flush()
         os.fsync(f.fileno())
-def load_torch(p): return torch.load(p, mmap=True, weights_only=True)
+
+
+def load_torch(p):
+    return torch.load(p, mmap=True, weights_only=True)
 
 
 def save_st(tree, p):
     from safetensors.torch import save_file
+
     save_file(flat(tree), p)
     fsync_path(p)
+
+
 def load_st(p):
     from safetensors.torch import load_file
+
     return load_file(p)
 
 
@@ -124,15 +153,23 @@ def save_raw(tree, p):
         for t in flat(tree).values():
             os.write(fd, t.contiguous().view(-1).view(torch.uint8).numpy().data) if t.numel() else None
         os.fsync(fd)
-    finally: os.close(fd)
+    finally:
+        os.close(fd)
+
+
 def load_raw(p):
     buf = torch.empty(os.path.getsize(p), dtype=torch.uint8)
-    with open(p, "rb", buffering=0) as f: f.readinto(buf.numpy().data)
+    with open(p, "rb", buffering=0) as f:
+        f.readinto(buf.numpy().data)
     return buf
 
 
-CONTENDERS = [("fastai_resume", save_ours, load_ours), ("torch.save/load(mmap)", save_torch, load_torch),
-              ("safetensors", save_st, load_st), ("raw write/read", save_raw, load_raw)]
+CONTENDERS = [
+    ("fastai_resume", save_ours, load_ours),
+    ("torch.save/load(mmap)", save_torch, load_torch),
+    ("safetensors", save_st, load_st),
+    ("raw write/read", save_raw, load_raw),
+]
 
 
 def run_dir(tree, nbytes, d, rounds):
@@ -143,7 +180,8 @@ def run_dir(tree, nbytes, d, rounds):
     try:
         for r in range(rounds):
             for name, save, load in CONTENDERS:
-                if os.path.exists(p): os.remove(p)
+                if os.path.exists(p):
+                    os.remove(p)
                 gc.collect()
                 with PeakRSS() as pk:
                     t0 = time.perf_counter()
@@ -160,17 +198,24 @@ def run_dir(tree, nbytes, d, rounds):
                 res[name]["load"].append(tl)
                 res[name]["peak_extra"].append(pk.extra)
                 os.remove(p)
-                print(f"  {d} round {r}: {name:24s} save {ts:7.2f}s  load {tl:7.2f}s  peak +{pk.extra / 2**20:7.0f} MiB",
-                      flush=True)
+                print(
+                    f"  {d} round {r}: {name:24s} save {ts:7.2f}s  load {tl:7.2f}s  peak +{pk.extra / 2**20:7.0f} MiB",
+                    flush=True,
+                )
     finally:
-        if os.path.exists(p): os.remove(p)
+        if os.path.exists(p):
+            os.remove(p)
     return res
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", action="append", default=None,
-                    help="a folder to write in (repeatable); default: bench/results/io-tmp (disk) and /dev/shm (tmpfs)")
+    ap.add_argument(
+        "--dir",
+        action="append",
+        default=None,
+        help="a folder to write in (repeatable); default: bench/results/io-tmp (disk) and /dev/shm (tmpfs)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--small", action="store_true", help="ViT-B/16 instead of ViT-L/16 (a quick check)")
     ap.add_argument("--json", default=None)
@@ -186,9 +231,16 @@ def main():
         ours, raw = res["fastai_resume"], res["raw write/read"]
         ratio = {k: common.stats([x / y for x, y in zip(ours[k], raw[k])]) for k in ("save", "load")}  # paired by round
         places.append({"dir": d, "disk": common.machine(d)["disk"], "contenders": rows, "ours_over_raw": ratio})
-        if d.startswith("/dev/shm/"): shutil.rmtree(d, ignore_errors=True)
-    payload = {"machine": common.machine(HERE), "rounds": a.rounds, "bytes": nbytes,
-               "state": "ViT-B/16" if a.small else "ViT-L/16", "crc32c": fr._core.crc32c_impl, "places": places}
+        if d.startswith("/dev/shm/"):
+            shutil.rmtree(d, ignore_errors=True)
+    payload = {
+        "machine": common.machine(HERE),
+        "rounds": a.rounds,
+        "bytes": nbytes,
+        "state": "ViT-B/16" if a.small else "ViT-L/16",
+        "crc32c": fr._core.crc32c_impl,
+        "places": places,
+    }
     path = common.write("io", payload, a.json)
     print(report.render_file("io", path))
     print(f"\nwrote {path}")

@@ -19,6 +19,7 @@ while the previous one is still being written waits for it (the wait is part of 
 
     python bench/overhead.py [--iters 100] [--every 50,10,5] [--rounds 5]
 """
+
 import argparse
 import os
 import statistics
@@ -33,13 +34,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-import report  # noqa: E402
-import fastai_resume  # noqa: E402
 import fastai.callback.progress  # noqa: E402,F401  (Learner.no_bar)
+import report  # noqa: E402
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
+
+import fastai_resume  # noqa: E402
 
 
 def learner(path, iters, cbs):
@@ -51,12 +53,19 @@ def learner(path, iters, cbs):
     emb = nn.Embedding(50_000, 1024)
     emb.weight.requires_grad_(False)
     model = nn.Sequential(emb, nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
-    return Learner(DataLoaders(train, valid, device="cpu", path=path), model, loss_func=nn.MSELoss(), path=path,
-                   cbs=cbs, train_bn=False)
+    return Learner(
+        DataLoaders(train, valid, device="cpu", path=path),
+        model,
+        loss_func=nn.MSELoss(),
+        path=path,
+        cbs=cbs,
+        train_bn=False,
+    )
 
 
 class TimedAutoCheckpoint(fastai_resume.AutoCheckpoint):
     "AutoCheckpoint recording, per save, how long it blocked training and how long its write took."
+
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.stalls, self.writes = [], []
@@ -65,14 +74,17 @@ class TimedAutoCheckpoint(fastai_resume.AutoCheckpoint):
         t0 = time.perf_counter()
         r = super()._save(background)
         dt = time.perf_counter() - t0
-        if r is not None: self.stalls.append(dt)
-        if not (self.background if background is None else background): self.writes.append(dt)
+        if r is not None:
+            self.stalls.append(dt)
+        if not (self.background if background is None else background):
+            self.writes.append(dt)
         return r
 
     def _check_inflight(self, block):
         w = self._inflight[0] if self._inflight is not None else None
         super()._check_inflight(block)
-        if w is not None and self._inflight is None: self.writes.append(w.seconds)
+        if w is not None and self._inflight is None:
+            self.writes.append(w.seconds)
 
 
 def timed(path, iters, cbs):
@@ -84,8 +96,12 @@ def timed(path, iters, cbs):
 
 
 def state_bytes(learn):
-    opt = sum(t.numel() * t.element_size() for st in learn.opt.state.values() for t in st.values()
-              if isinstance(t, torch.Tensor))
+    opt = sum(
+        t.numel() * t.element_size()
+        for st in learn.opt.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
     return sum(v.numel() * v.element_size() for v in learn.model.state_dict().values()) + opt
 
 
@@ -125,8 +141,11 @@ def main():
                 cbs = []
                 if name != "none":
                     mode, e = name.split("/")
-                    cbs = [TimedAutoCheckpoint(every_iters=int(e), every_epoch=False, keep=2, resume=False,
-                                               background=mode == "background")]
+                    cbs = [
+                        TimedAutoCheckpoint(
+                            every_iters=int(e), every_epoch=False, keep=2, resume=False, background=mode == "background"
+                        )
+                    ]
                 t, c, learn = timed(os.path.join(d, f"{r}-{name.replace('/', '-')}"), a.iters, cbs)
                 runs[name].append(t)
                 cpu[name].append(c)
@@ -134,11 +153,16 @@ def main():
                     first[name].append(cbs[0].stalls[0])
                     stalls[name].extend(cbs[0].stalls[1:])
                     writes[name].extend(cbs[0].writes)
-                else: step_s.append(t / a.iters)
-                if nbytes is None: nbytes = state_bytes(learn)
+                else:
+                    step_s.append(t / a.iters)
+                if nbytes is None:
+                    nbytes = state_bytes(learn)
                 del learn
-                print(f"  round {r}: {name:16s} {t:7.2f} s" + (f"  stall per save {1e3 * statistics.median(cbs[0].stalls):6.1f} ms"
-                                                          if cbs else ""), flush=True)
+                print(
+                    f"  round {r}: {name:16s} {t:7.2f} s"
+                    + (f"  stall per save {1e3 * statistics.median(cbs[0].stalls):6.1f} ms" if cbs else ""),
+                    flush=True,
+                )
             memcpy.append(memcpy_seconds(nbytes))
     rows = []
     for e in intervals:
@@ -147,19 +171,34 @@ def main():
             k = f"{mode}/{e}"
             over = [100 * (t / n - 1) for t, n in zip(runs[k], runs["none"])]  # paired with its round's run
             over_cpu = [100 * (t / n - 1) for t, n in zip(cpu[k], cpu["none"])]
-            row[mode] = {"wall_s": common.stats(runs[k]), "overhead_pct": common.stats(over),
-                         "cpu_s": common.stats(cpu[k]), "cpu_overhead_pct": common.stats(over_cpu),
-                         "stall_s": common.stats(stalls[k]), "first_stall_s": common.stats(first[k]),
-                         "write_s": common.stats(writes[k])}
+            row[mode] = {
+                "wall_s": common.stats(runs[k]),
+                "overhead_pct": common.stats(over),
+                "cpu_s": common.stats(cpu[k]),
+                "cpu_overhead_pct": common.stats(over_cpu),
+                "stall_s": common.stats(stalls[k]),
+                "first_stall_s": common.stats(first[k]),
+                "write_s": common.stats(writes[k]),
+            }
         row["interval_s"] = statistics.median(step_s) * e
         rows.append(row)
-    payload = {"machine": info, "rounds": a.rounds, "iters": a.iters, "state_bytes": nbytes,
-               "step_s": common.stats(step_s), "none_wall_s": common.stats(runs["none"]),
-               "none_cpu_s": common.stats(cpu["none"]),
-               "memcpy_s": common.stats(memcpy), "rows": rows, "bench_seconds": time.perf_counter() - t_start}
+    payload = {
+        "machine": info,
+        "rounds": a.rounds,
+        "iters": a.iters,
+        "state_bytes": nbytes,
+        "step_s": common.stats(step_s),
+        "none_wall_s": common.stats(runs["none"]),
+        "none_cpu_s": common.stats(cpu["none"]),
+        "memcpy_s": common.stats(memcpy),
+        "rows": rows,
+        "bench_seconds": time.perf_counter() - t_start,
+    }
     path = common.write("overhead", payload, a.json)
-    print(f"\n{a.iters} steps of {1e3 * statistics.median(step_s):.0f} ms (median), saves of {nbytes / 1e6:.0f} MB, "
-          f"{a.rounds} rounds; memcpy of the same bytes {1e3 * statistics.median(memcpy):.0f} ms")
+    print(
+        f"\n{a.iters} steps of {1e3 * statistics.median(step_s):.0f} ms (median), saves of {nbytes / 1e6:.0f} MB, "
+        f"{a.rounds} rounds; memcpy of the same bytes {1e3 * statistics.median(memcpy):.0f} ms"
+    )
     print(report.render_file("overhead", path))
     print(f"\nwrote {path}")
 

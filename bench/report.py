@@ -7,6 +7,7 @@ bench/results/: each benchmark's table sits in README.md between `<!-- bench:NAM
 
 Pure JSON -> Markdown (no torch, no fastai), so the test suite can check the README quickly.
 """
+
 import argparse
 import json
 import os
@@ -24,62 +25,78 @@ def _mm(s, scale=1.0, fmt="{:.2f}"):
     return f"{fmt.format(s['median'] * scale)} ({fmt.format(s['min'] * scale)} to {fmt.format(s['max'] * scale)})"
 
 
-COMMANDS = {"resume": "python bench/resume.py",
-            "ddp_control": "python -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py"}
+COMMANDS = {
+    "resume": "python bench/resume.py",
+    "ddp_control": "python -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py",
+}
 
 
 def machine_line(res, name=None) -> str:
     m = res.get("machine")
-    if not m: return (f"From a run of `{res.get('command') or COMMANDS.get(name, '?')}` whose JSON records neither "
-                      "the machine nor the spread over rounds.")
+    if not m:
+        return (
+            f"From a run of `{res.get('command') or COMMANDS.get(name, '?')}` whose JSON records neither "
+            "the machine nor the spread over rounds."
+        )
     d = m["disk"]
-    return (f"Measured {m['date']} by `{res['command']}`: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
-            f"{d['fs']} on {d['device']}, load average {m['loadavg_at_start']:.1f} at the start (a machine shared with "
-            f"other work), torch {m['torch']} with {m['torch_threads']} threads; {res['rounds']} rounds.")
+    return (
+        f"Measured {m['date']} by `{res['command']}`: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
+        f"{d['fs']} on {d['device']}, load average {m['loadavg_at_start']:.1f} at the start (a machine shared with "
+        f"other work), torch {m['torch']} with {m['torch_threads']} threads; {res['rounds']} rounds."
+    )
 
 
 def overhead(res) -> str:
     mc = res["memcpy_s"]["median"] * 1e3
-    out = [f"{res['iters']} training steps of {1e3 * res['step_s']['median']:.0f} ms "
-           f"(range {1e3 * res['step_s']['min']:.0f} to {1e3 * res['step_s']['max']:.0f} over rounds), "
-           f"saves of {res['state_bytes'] / 1e6:.0f} MB; without checkpointing a run took "
-           f"{_mm(res['none_wall_s'], fmt='{:.2f} s')} and {_mm(res['none_cpu_s'], fmt='{:.2f} s')} of CPU time "
-           f"(all threads). Overheads are paired with the same round's run without "
-           f"checkpointing. The stall is how long a save blocked the training loop (each run's first save "
-           f"apart: a background save allocates its reusable buffers then); its limit is one copy of the "
-           f"same bytes between two buffers already in memory: {mc:.0f} ms (median of the rounds).", "",
-           "| save every | saves | background: wall overhead | synchronous: wall overhead "
-           "| background: CPU overhead | synchronous: CPU overhead | background: stall per save "
-           "| background: first save's stall | synchronous: stall per save | background: write time per save |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"{res['iters']} training steps of {1e3 * res['step_s']['median']:.0f} ms "
+        f"(range {1e3 * res['step_s']['min']:.0f} to {1e3 * res['step_s']['max']:.0f} over rounds), "
+        f"saves of {res['state_bytes'] / 1e6:.0f} MB; without checkpointing a run took "
+        f"{_mm(res['none_wall_s'], fmt='{:.2f} s')} and {_mm(res['none_cpu_s'], fmt='{:.2f} s')} of CPU time "
+        f"(all threads). Overheads are paired with the same round's run without "
+        f"checkpointing. The stall is how long a save blocked the training loop (each run's first save "
+        f"apart: a background save allocates its reusable buffers then); its limit is one copy of the "
+        f"same bytes between two buffers already in memory: {mc:.0f} ms (median of the rounds).",
+        "",
+        "| save every | saves | background: wall overhead | synchronous: wall overhead "
+        "| background: CPU overhead | synchronous: CPU overhead | background: stall per save "
+        "| background: first save's stall | synchronous: stall per save | background: write time per save |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     verdicts = []
     for row in res["rows"]:
         bg, sy = row["background"], row["synchronous"]
-        out.append(f"| {row['every']} steps ({row['interval_s']:.2f} s) | {row['saves']} "
-                   f"| {_mm(bg['overhead_pct'], fmt='{:+.1f}%')} | {_mm(sy['overhead_pct'], fmt='{:+.1f}%')} "
-                   f"| {_mm(bg['cpu_overhead_pct'], fmt='{:+.1f}%')} | {_mm(sy['cpu_overhead_pct'], fmt='{:+.1f}%')} "
-                   f"| {_mm(bg['stall_s'], 1e3, '{:.0f} ms')} | {_mm(bg['first_stall_s'], 1e3, '{:.0f} ms')} "
-                   f"| {_mm(sy['stall_s'], 1e3, '{:.0f} ms')} "
-                   f"| {_mm(bg['write_s'], 1e3, '{:.0f} ms')} |")
+        out.append(
+            f"| {row['every']} steps ({row['interval_s']:.2f} s) | {row['saves']} "
+            f"| {_mm(bg['overhead_pct'], fmt='{:+.1f}%')} | {_mm(sy['overhead_pct'], fmt='{:+.1f}%')} "
+            f"| {_mm(bg['cpu_overhead_pct'], fmt='{:+.1f}%')} | {_mm(sy['cpu_overhead_pct'], fmt='{:+.1f}%')} "
+            f"| {_mm(bg['stall_s'], 1e3, '{:.0f} ms')} | {_mm(bg['first_stall_s'], 1e3, '{:.0f} ms')} "
+            f"| {_mm(sy['stall_s'], 1e3, '{:.0f} ms')} "
+            f"| {_mm(bg['write_s'], 1e3, '{:.0f} ms')} |"
+        )
         o_bg, o_sy = bg["overhead_pct"]["median"], sy["overhead_pct"]["median"]
         c_bg, c_sy = bg["cpu_overhead_pct"]["median"], sy["cpu_overhead_pct"]["median"]
         spread = max(x["max"] - x["min"] for x in (bg["overhead_pct"], sy["overhead_pct"]))
         if spread > NOISE:  # a median inside a range this wide says nothing either way
-            verdicts.append(f"- every {row['every']} steps: wall and CPU overheads not measurable on this machine "
-                            f"at the time (the rounds span {spread:.0f} percentage points); background stall per "
-                            f"save {bg['stall_s']['median'] * 1e3:.0f} ms against {sy['stall_s']['median'] * 1e3:.0f} ms "
-                            f"synchronous, {bg['stall_s']['median'] * 1e3 / mc:.1f}x the memcpy; the interval is "
-                            f"{'longer' if row['interval_s'] > bg['write_s']['median'] else 'shorter'} than a background "
-                            f"save's write ({row['interval_s']:.2f} s against {bg['write_s']['median']:.2f} s).")
+            verdicts.append(
+                f"- every {row['every']} steps: wall and CPU overheads not measurable on this machine "
+                f"at the time (the rounds span {spread:.0f} percentage points); background stall per "
+                f"save {bg['stall_s']['median'] * 1e3:.0f} ms against {sy['stall_s']['median'] * 1e3:.0f} ms "
+                f"synchronous, {bg['stall_s']['median'] * 1e3 / mc:.1f}x the memcpy; the interval is "
+                f"{'longer' if row['interval_s'] > bg['write_s']['median'] else 'shorter'} than a background "
+                f"save's write ({row['interval_s']:.2f} s against {bg['write_s']['median']:.2f} s)."
+            )
             continue
         longer = row["interval_s"] > bg["write_s"]["median"]
-        verdicts.append(f"- every {row['every']} steps: the interval is {'longer' if longer else 'shorter'} than a "
-                        f"background save's write ({row['interval_s']:.2f} s against {bg['write_s']['median']:.2f} s); "
-                        f"background {'cheaper' if o_bg < o_sy else 'not cheaper'} than synchronous in wall time "
-                        f"({o_bg:+.1f}% against {o_sy:+.1f}%), {'cheaper' if c_bg < c_sy else 'not cheaper'} in CPU time "
-                        f"({c_bg:+.1f}% against {c_sy:+.1f}%)" +
-                        (f"; wall time within 5% of no checkpointing: {'met' if o_bg <= 5 else 'not met'}" if longer else "") +
-                        f"; background stall per save {bg['stall_s']['median'] * 1e3 / mc:.1f}x the memcpy.")
+        verdicts.append(
+            f"- every {row['every']} steps: the interval is {'longer' if longer else 'shorter'} than a "
+            f"background save's write ({row['interval_s']:.2f} s against {bg['write_s']['median']:.2f} s); "
+            f"background {'cheaper' if o_bg < o_sy else 'not cheaper'} than synchronous in wall time "
+            f"({o_bg:+.1f}% against {o_sy:+.1f}%), {'cheaper' if c_bg < c_sy else 'not cheaper'} in CPU time "
+            f"({c_bg:+.1f}% against {c_sy:+.1f}%)"
+            + (f"; wall time within 5% of no checkpointing: {'met' if o_bg <= 5 else 'not met'}" if longer else "")
+            + f"; background stall per save {bg['stall_s']['median'] * 1e3 / mc:.1f}x the memcpy."
+        )
     return "\n".join(out + [""] + verdicts + ["", machine_line(res)])
 
 
@@ -91,62 +108,92 @@ def scale(res) -> str:
     rows = res["rows"]
     out = ["| blocks | tensors | file | " + " | ".join(OPS) + " |", "|---|---|---|" + "---|" * len(OPS)]
     for r in rows:
-        out.append(f"| {r['blocks']} | {r['tensors']:,} | {r['bytes'] / 1e6:.1f} MB | " +
-                   " | ".join(_mm(r[op], 1e3, "{:.0f} ms") for op in OPS) + " |")
+        out.append(
+            f"| {r['blocks']} | {r['tensors']:,} | {r['bytes'] / 1e6:.1f} MB | "
+            + " | ".join(_mm(r[op], 1e3, "{:.0f} ms") for op in OPS)
+            + " |"
+        )
     if len(rows) >= 2:
         lo, hi = rows[0], rows[-1]
         k = hi["tensors"] / lo["tensors"]
-        out.append(f"| time ratio ({k:.2f}x the tensors) | | | " +
-                   " | ".join(f"{hi[op]['median'] / lo[op]['median']:.2f}x" for op in OPS) + " |")
-        out += ["", f"Linear costs give a time ratio near {k:.2f}x, quadratic ones near {k * k:.2f}x. "
-                    f"At {hi['tensors']:,} tensors, info takes {hi['info']['median'] / hi['load']['median']:.1f}x "
-                    f"and verify {hi['verify']['median'] / hi['load']['median']:.1f}x the time of a load "
-                    f"(target at most 3x: {'met' if max(hi['info']['median'], hi['verify']['median']) <= 3 * hi['load']['median'] else 'not met'})."]
+        out.append(
+            f"| time ratio ({k:.2f}x the tensors) | | | "
+            + " | ".join(f"{hi[op]['median'] / lo[op]['median']:.2f}x" for op in OPS)
+            + " |"
+        )
+        out += [
+            "",
+            f"Linear costs give a time ratio near {k:.2f}x, quadratic ones near {k * k:.2f}x. "
+            f"At {hi['tensors']:,} tensors, info takes {hi['info']['median'] / hi['load']['median']:.1f}x "
+            f"and verify {hi['verify']['median'] / hi['load']['median']:.1f}x the time of a load "
+            f"(target at most 3x: {'met' if max(hi['info']['median'], hi['verify']['median']) <= 3 * hi['load']['median'] else 'not met'}).",
+        ]
     return "\n".join(out + ["", machine_line(res)])
 
 
 def io(res) -> str:
-    out = [f"State: {res['state']} + Adam, {res['bytes'] / 2**30:.2f} GiB; CRC32C: {res['crc32c']}.", "",
-           "| file system | contender | save | save GB/s | load (+ read every tensor) | peak RSS above the state (save) |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        f"State: {res['state']} + Adam, {res['bytes'] / 2**30:.2f} GiB; CRC32C: {res['crc32c']}.",
+        "",
+        "| file system | contender | save | save GB/s | load (+ read every tensor) | peak RSS above the state (save) |",
+        "|---|---|---|---|---|---|",
+    ]
     notes = []
     for pl in res["places"]:
         fs = f"{pl['disk']['fs']} ({pl['disk']['device']})"
         for name, c in pl["contenders"].items():
-            out.append(f"| {fs} | {name} | {_mm(c['save'], fmt='{:.2f} s')} | {res['bytes'] / c['save']['median'] / 1e9:.2f} "
-                       f"| {_mm(c['load'], fmt='{:.2f} s')} | {c['peak_extra']['median'] / 2**20:.0f} MiB |")
+            out.append(
+                f"| {fs} | {name} | {_mm(c['save'], fmt='{:.2f} s')} | {res['bytes'] / c['save']['median'] / 1e9:.2f} "
+                f"| {_mm(c['load'], fmt='{:.2f} s')} | {c['peak_extra']['median'] / 2**20:.0f} MiB |"
+            )
         r, ours = pl["ours_over_raw"], pl["contenders"]["fastai_resume"]
-        vs = "; ".join(f"{n} {c['save']['median'] / ours['save']['median']:.2f}x / {c['load']['median'] / ours['load']['median']:.2f}x"
-                       for n, c in pl["contenders"].items() if n not in ("fastai_resume", "raw write/read"))
-        notes.append(f"- {fs}: save {_mm(r['save'], fmt='{:.2f}x')} the raw write (target at most 1.1x: "
-                     f"{'met' if r['save']['median'] <= 1.1 else 'not met'}), verified load {_mm(r['load'], fmt='{:.2f}x')} "
-                     f"the raw read (target at most 1.5x: {'met' if r['load']['median'] <= 1.5 else 'not met'}); "
-                     f"others' time over ours (save / load): {vs}.")
+        vs = "; ".join(
+            f"{n} {c['save']['median'] / ours['save']['median']:.2f}x / {c['load']['median'] / ours['load']['median']:.2f}x"
+            for n, c in pl["contenders"].items()
+            if n not in ("fastai_resume", "raw write/read")
+        )
+        notes.append(
+            f"- {fs}: save {_mm(r['save'], fmt='{:.2f}x')} the raw write (target at most 1.1x: "
+            f"{'met' if r['save']['median'] <= 1.1 else 'not met'}), verified load {_mm(r['load'], fmt='{:.2f}x')} "
+            f"the raw read (target at most 1.5x: {'met' if r['load']['median'] <= 1.5 else 'not met'}); "
+            f"others' time over ours (save / load): {vs}."
+        )
     return "\n".join(out + [""] + notes + ["", machine_line(res)])
 
 
 def resume(res) -> str:
-    out = [f"An epoch of {res['batches']:,} batches, {res['item_ms']} ms per item; time from `fit` to the first "
-           "trained batch.", "",
-           "| resume at k | fastai_resume | its `learn.load` | seed PR | seed / ours | ours / ours at k=0 |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        f"An epoch of {res['batches']:,} batches, {res['item_ms']} ms per item; time from `fit` to the first "
+        "trained batch.",
+        "",
+        "| resume at k | fastai_resume | its `learn.load` | seed PR | seed / ours | ours / ours at k=0 |",
+        "|---|---|---|---|---|---|",
+    ]
     k0 = res["rows"][0]["ours_s"]
     for r in res["rows"]:
         load = f"{1e3 * r['ours_load_s']:.1f} ms" if r["k"] else "—"
-        out.append(f"| {r['k']:,} ({100 * r['fraction']:.0f}%) | {1e3 * r['ours_s']:.1f} ms | {load} | "
-                   f"{1e3 * r['seed_s']:,.1f} ms | {r['seed_s'] / r['ours_s']:,.0f}x | {r['ours_s'] / k0:.2f}x |")
+        out.append(
+            f"| {r['k']:,} ({100 * r['fraction']:.0f}%) | {1e3 * r['ours_s']:.1f} ms | {load} | "
+            f"{1e3 * r['seed_s']:,.1f} ms | {r['seed_s'] / r['ours_s']:,.0f}x | {r['ours_s'] / k0:.2f}x |"
+        )
     last = res["rows"][-1]
-    out += ["", f"Targets at k = {last['k']:,}: ours within 1.2x of ours at k=0 "
-                f"({'met' if last['ours_s'] <= 1.2 * k0 else 'not met'}: {last['ours_s'] / k0:.2f}x) and at least 50x "
-                f"faster than the seed's approach ({'met' if last['seed_s'] >= 50 * last['ours_s'] else 'not met'}: "
-                f"{last['seed_s'] / last['ours_s']:,.0f}x)."]
+    out += [
+        "",
+        f"Targets at k = {last['k']:,}: ours within 1.2x of ours at k=0 "
+        f"({'met' if last['ours_s'] <= 1.2 * k0 else 'not met'}: {last['ours_s'] / k0:.2f}x) and at least 50x "
+        f"faster than the seed's approach ({'met' if last['seed_s'] >= 50 * last['ours_s'] else 'not met'}: "
+        f"{last['seed_s'] / last['ours_s']:,.0f}x).",
+    ]
     return "\n".join(out + ["", machine_line(res, "resume")])
 
 
 def ddp_control(res) -> str:
-    return (f"World size {res['world_size']}, {res['iters']:,} calls: the agreement takes {res['agree_any_us']:.0f} µs "
-            f"per batch, DDP's own gradient all-reduce of the test suite's 9,610-parameter MLP "
-            f"{res['grad_allreduce_us']:.0f} µs ({res['agree_any_us'] / res['grad_allreduce_us']:.2f}x).\n\n" + machine_line(res, "ddp_control"))
+    return (
+        f"World size {res['world_size']}, {res['iters']:,} calls: the agreement takes {res['agree_any_us']:.0f} µs "
+        f"per batch, DDP's own gradient all-reduce of the test suite's 9,610-parameter MLP "
+        f"{res['grad_allreduce_us']:.0f} µs ({res['agree_any_us'] / res['grad_allreduce_us']:.2f}x).\n\n"
+        + machine_line(res, "ddp_control")
+    )
 
 
 RENDER = {"io": io, "resume": resume, "overhead": overhead, "scale": scale, "ddp_control": ddp_control}
@@ -154,7 +201,8 @@ RENDER = {"io": io, "resume": resume, "overhead": overhead, "scale": scale, "ddp
 
 def render_file(name: str, path: str) -> str:
     "Benchmark `name`'s figures as Markdown, from its JSON file at `path`."
-    with open(path) as f: res = json.load(f)
+    with open(path) as f:
+        res = json.load(f)
     return RENDER[name](res).rstrip("\n") + "\n"
 
 
@@ -170,8 +218,11 @@ def rewrite(text: str, results=RESULTS) -> str:
 def problems(text: str, results=RESULTS) -> list:
     "What is wrong with the README's bench blocks: missing, unknown, or not what the files give."
     found = [m.group("name") for m in BLOCK.finditer(text)]
-    out = [f"no block <!-- bench:{n} --> for bench/results/{n}.json" for n in RENDER
-           if os.path.exists(os.path.join(results, f"{n}.json")) and n not in found]
+    out = [
+        f"no block <!-- bench:{n} --> for bench/results/{n}.json"
+        for n in RENDER
+        if os.path.exists(os.path.join(results, f"{n}.json")) and n not in found
+    ]
     out += [f"block bench:{n} has no renderer" for n in found if n not in RENDER]
     for m in BLOCK.finditer(text):
         n = m.group("name")
@@ -185,14 +236,17 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--readme", default=README)
     a = ap.parse_args()
-    with open(a.readme) as f: text = f.read()
+    with open(a.readme) as f:
+        text = f.read()
     if a.check:
         bad = problems(text)
-        for p in bad: print(p, file=sys.stderr)
+        for p in bad:
+            print(p, file=sys.stderr)
         sys.exit(1 if bad else 0)
     new = rewrite(text)
     if new != text:
-        with open(a.readme, "w") as f: f.write(new)
+        with open(a.readme, "w") as f:
+            f.write(new)
     print(f"{os.path.relpath(a.readme)}: {len(BLOCK.findall(new))} benchmark blocks written from bench/results/")
 
 

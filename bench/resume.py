@@ -8,6 +8,7 @@ batch is still loaded and collated). Prints a table, writes JSON (bench/results/
 
     python bench/resume.py [--batches 20000] [--item-ms 0.2]
 """
+
 import argparse
 import json
 import os
@@ -19,20 +20,25 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import fastai_resume  # noqa: E402,F401
 from fastai.callback.core import Callback, CancelBatchException, CancelFitException  # noqa: E402
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 
+import fastai_resume  # noqa: E402,F401
+
 
 class SlowItem:
     "A per-item cost like decoding an image or tokenising a document."
-    def __init__(self, ms): self.s = ms / 1000
+
+    def __init__(self, ms):
+        self.s = ms / 1000
+
     def __call__(self, item):
         end = time.perf_counter() + self.s
-        while time.perf_counter() < end: pass
+        while time.perf_counter() < end:
+            pass
         return item
 
 
@@ -42,13 +48,17 @@ def build(path, n, ms):
     items = list(zip(xs, xs.sum(1, keepdim=True)))
     train = DataLoader(items, bs=1, shuffle=True, after_item=SlowItem(ms))
     valid = DataLoader(items[:64], bs=64)
-    return Learner(DataLoaders(train, valid, device="cpu", path=path), nn.Linear(8, 1),
-                   loss_func=nn.MSELoss(), path=path)
+    return Learner(
+        DataLoaders(train, valid, device="cpu", path=path), nn.Linear(8, 1), loss_func=nn.MSELoss(), path=path
+    )
 
 
 class SaveAt(Callback):
     order = 100
-    def __init__(self, k): self.k = k
+
+    def __init__(self, k):
+        self.k = k
+
     def after_batch(self):
         if self.training and self.iter + 1 == self.k:
             self.learn.save("bench", with_iter=True)
@@ -57,7 +67,9 @@ class SaveAt(Callback):
 
 class FirstTrainedBatch(Callback):
     "Records when the first batch that is really trained starts, then stops the fit."
+
     order = 1000
+
     def before_batch(self):
         if self.training:
             self.t = time.perf_counter()
@@ -66,17 +78,23 @@ class FirstTrainedBatch(Callback):
 
 class SeedSkipToIter(Callback):
     "The seed PR's approach: cancel batches until the saved iteration (each one still loaded)."
+
     order = 70
-    def __init__(self, epoch, it): self.e, self.i = epoch, it
+
+    def __init__(self, epoch, it):
+        self.e, self.i = epoch, it
+
     def before_batch(self):
-        if self.training and self.epoch == self.e and self.iter < self.i: raise CancelBatchException()
+        if self.training and self.epoch == self.e and self.iter < self.i:
+            raise CancelBatchException()
 
 
 def ours(path, n, ms, k, repeat=3):
     "Best of `repeat` resumes from one checkpoint (the fit setup itself is a few noisy ms)."
     if k:
         learn = build(path, n, ms)
-        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=SaveAt(k))
+        with learn.no_bar(), learn.no_logging():
+            learn.fit(1, 1e-3, cbs=SaveAt(k))
     best = (float("inf"), 0.0)
     for _ in range(repeat):
         learn = build(path, n, ms)
@@ -87,7 +105,8 @@ def ours(path, n, ms, k, repeat=3):
             t_load = time.perf_counter() - t0
         probe = FirstTrainedBatch()
         t0 = time.perf_counter()
-        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=probe)
+        with learn.no_bar(), learn.no_logging():
+            learn.fit(1, 1e-3, cbs=probe)
         best = min(best, (probe.t - t0, t_load))
     return best
 
@@ -96,7 +115,8 @@ def seed(path, n, ms, k):
     learn = build(path, n, ms)
     probe = FirstTrainedBatch()
     t0 = time.perf_counter()
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=[SeedSkipToIter(0, k), probe])
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=[SeedSkipToIter(0, k), probe])
     return probe.t - t0
 
 
@@ -104,7 +124,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, default=20000)
     ap.add_argument("--item-ms", type=float, default=0.2)
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "resume.json"))
+    ap.add_argument(
+        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "resume.json")
+    )
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -113,16 +135,22 @@ def main():
             t_ours, t_load = ours(d, a.batches, a.item_ms, k)
             t_seed = seed(d, a.batches, a.item_ms, k)
             rows.append({"k": k, "fraction": frac, "ours_s": t_ours, "ours_load_s": t_load, "seed_s": t_seed})
-            print(f"  k={k:6d}: ours {t_ours * 1e3:8.1f} ms (load {t_load * 1e3:.1f} ms)  seed PR {t_seed * 1e3:9.1f} ms", flush=True)
+            print(
+                f"  k={k:6d}: ours {t_ours * 1e3:8.1f} ms (load {t_load * 1e3:.1f} ms)  seed PR {t_seed * 1e3:9.1f} ms",
+                flush=True,
+            )
     base = rows[0]["ours_s"]
     print(f"\nepoch of {a.batches} batches, {a.item_ms} ms per item; time from fit() to the first trained batch")
     print("| k | fastai_resume | its learn.load | seed PR (CancelBatchException) | seed / ours | ours / ours at k=0 |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['k']} ({r['fraction']:.0%}) | {r['ours_s'] * 1e3:.1f} ms | {r['ours_load_s'] * 1e3:.1f} ms | "
-              f"{r['seed_s'] * 1e3:.1f} ms | {r['seed_s'] / r['ours_s']:.0f}x | {r['ours_s'] / base:.2f}x |")
+        print(
+            f"| {r['k']} ({r['fraction']:.0%}) | {r['ours_s'] * 1e3:.1f} ms | {r['ours_load_s'] * 1e3:.1f} ms | "
+            f"{r['seed_s'] * 1e3:.1f} ms | {r['seed_s'] / r['ours_s']:.0f}x | {r['ours_s'] / base:.2f}x |"
+        )
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f: json.dump({"batches": a.batches, "item_ms": a.item_ms, "rows": rows}, f, indent=1)
+    with open(a.json, "w") as f:
+        json.dump({"batches": a.batches, "item_ms": a.item_ms, "rows": rows}, f, indent=1)
     print(f"\nwrote {a.json}")
 
 

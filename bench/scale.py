@@ -13,6 +13,7 @@ an autoresume). Costs linear in the tensor count give the same time per tensor a
 
     python bench/scale.py [--blocks 48,96] [--rounds 3]
 """
+
 import argparse
 import os
 import shutil
@@ -27,15 +28,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-import report  # noqa: E402
-import fastai_resume as fr  # noqa: E402
-from fastai_resume import checkpoint  # noqa: E402
 import fastai.callback.progress  # noqa: E402,F401  (Learner.no_bar)
+import report  # noqa: E402
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
 from fastai.losses import CrossEntropyLossFlat  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
+
+import fastai_resume as fr  # noqa: E402
+from fastai_resume import checkpoint  # noqa: E402
 
 WIDTH, VOCAB, SEQ = 64, 256, 16
 OPS = ("save", "load", "info", "verify", "learn.load")
@@ -63,7 +65,8 @@ class GPT(nn.Module):
 
     def forward(self, x):
         h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
-        for b in self.blocks: h = b(h)
+        for b in self.blocks:
+            h = b(h)
         return self.head(self.ln(h))
 
 
@@ -72,9 +75,13 @@ def trained_learner(path, blocks):
     set_seed(0)
     xs, ys = torch.randint(0, VOCAB, (4, SEQ)), torch.randint(0, VOCAB, (4, SEQ))
     dl = DataLoader(list(zip(xs, ys)), bs=4)
-    learn = Learner(DataLoaders(dl, DataLoader(list(zip(xs, ys)), bs=4), device="cpu", path=path),
-                    GPT(blocks), loss_func=CrossEntropyLossFlat())
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    learn = Learner(
+        DataLoaders(dl, DataLoader(list(zip(xs, ys)), bs=4), device="cpu", path=path),
+        GPT(blocks),
+        loss_func=CrossEntropyLossFlat(),
+    )
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3)
     return learn
 
 
@@ -85,8 +92,12 @@ def measure(learn, folder):
     t0 = time.perf_counter()
     fr.save(checkpoint.build_tree(learn, with_opt=True), path)  # what learn.save writes, fsynced
     t["save"] = time.perf_counter() - t0
-    for op, f in (("load", lambda: fr.load(path)), ("info", lambda: fr.info(path, verify=False)),
-                  ("verify", lambda: fr.info(path, verify=True)), ("learn.load", lambda: learn.load(path))):
+    for op, f in (
+        ("load", lambda: fr.load(path)),
+        ("info", lambda: fr.info(path, verify=False)),
+        ("verify", lambda: fr.info(path, verify=True)),
+        ("learn.load", lambda: learn.load(path)),
+    ):
         t0 = time.perf_counter()
         f()
         t[op] = time.perf_counter() - t0
@@ -111,9 +122,13 @@ def main():
                 folder.mkdir(parents=True, exist_ok=True)
                 t, inf = measure(learn, folder)
                 facts[b] = {"tensors": len(inf["tensors"]), "blobs": len(inf["blobs"]), "bytes": inf["size"]}
-                for op in OPS: times[b][op].append(t[op])
-                print(f"  round {r}: {b:3d} blocks, {facts[b]['tensors']:5d} tensors: " +
-                      "  ".join(f"{op} {1e3 * t[op]:7.1f} ms" for op in OPS), flush=True)
+                for op in OPS:
+                    times[b][op].append(t[op])
+                print(
+                    f"  round {r}: {b:3d} blocks, {facts[b]['tensors']:5d} tensors: "
+                    + "  ".join(f"{op} {1e3 * t[op]:7.1f} ms" for op in OPS),
+                    flush=True,
+                )
         shutil.rmtree(d, ignore_errors=True)
     rows = [{"blocks": b, **facts[b], **{op: common.stats(times[b][op]) for op in OPS}} for b in depths]
     payload = {"machine": info, "rounds": a.rounds, "width": WIDTH, "rows": rows}

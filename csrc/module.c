@@ -405,7 +405,8 @@ static PyObject *Writer_commit_async(WriterObject *w, PyObject *args, PyObject *
 
 static PyObject *Writer_wait(WriterObject *w, PyObject *Py_UNUSED(a))
 {
-    if (w->phase != WRITER_IN_FLIGHT && w->phase != WRITER_DONE) { /* DONE: a waiter after the join */
+    if (w->phase != WRITER_IN_FLIGHT &&
+        w->phase != WRITER_DONE) { /* DONE: a waiter after the join */
         PyErr_SetString(PyExc_RuntimeError, "no background commit is in flight");
         return NULL;
     }

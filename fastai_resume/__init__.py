@@ -14,22 +14,34 @@ not import itself (the command-line tool imports no fastai at all). Where things
     autosave.py       AutoCheckpoint: when to save, retention, autoresume, preemption
     patches.py        the fastai patches
 """
+
 import importlib
 
 from ._hooks import after_import
 from .io import EXT, CheckpointError, info, is_checkpoint, load, save
 
 __version__ = "0.2.0"
-__all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE", "CheckpointError", "EXT", "ResumeSession", "info",
-           "is_checkpoint", "load", "save"]
+__all__ = [
+    "AutoCheckpoint",
+    "PREEMPTED_EXIT_CODE",
+    "CheckpointError",
+    "EXT",
+    "ResumeSession",
+    "info",
+    "is_checkpoint",
+    "load",
+    "save",
+]
 
 _LAZY = {"AutoCheckpoint": "autosave", "PREEMPTED_EXIT_CODE": "autosave", "ResumeSession": "session"}
 _SUBMODULES = {"autosave", "checkpoint", "dist", "loaders", "patches", "paths", "session", "state"}
 
 
 def __getattr__(name):  # fastai's classes are needed only once the user's code uses them
-    if name in _LAZY: return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    if name in _SUBMODULES: return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'fastai_resume' has no attribute {name!r}")
 
 

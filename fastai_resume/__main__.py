@@ -7,11 +7,12 @@
     check SCRIPT [ARGS]   does this training script resume exactly? (runs it three times, short)
 
 Exit status: 0 when all is well; 1 when `verify` finds a file that is not a valid checkpoint,
-`inspect` a checksum that fails, or `check` a difference; 2 on an error (a missing file, a file that is not what the command
-needs, a file that cannot be written), told in one line on stderr that names the file.
+`inspect` a checksum that fails, or `check` a difference; 2 on an error (a missing file, a file
+that is not what the command needs, a file that cannot be written), told in one line on stderr that names the file.
 
 The tool needs neither fastai nor a GPU: it prints its output and nothing else.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,10 @@ def _head(path) -> tuple:
         raise Failure(f"{path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode): raise Failure(f"{path}: is a folder, not a file")
-        if not stat.S_ISREG(st.st_mode): raise Failure(f"{path}: is not a regular file")
+        if stat.S_ISDIR(st.st_mode):
+            raise Failure(f"{path}: is a folder, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise Failure(f"{path}: is not a regular file")
         return os.pread(fd, _MAGIC_LEN, 0), st.st_size
     finally:
         os.close(fd)
@@ -56,25 +59,30 @@ def _claims_format(head: bytes, size: int) -> bool:
 
 def _not_ours(head: bytes) -> str:
     if head.startswith(_ZIP):
-        return ("a torch.save file (such as a vanilla fastai .pth), not a fastai_resume checkpoint "
-                "(`fastai-resume convert` turns one into the other)")
+        return (
+            "a torch.save file (such as a vanilla fastai .pth), not a fastai_resume checkpoint "
+            "(`fastai-resume convert` turns one into the other)"
+        )
     return "not a fastai_resume checkpoint (no magic bytes)"
 
 
 def _reason(e: Exception, path) -> str:
     "An error's message without the path it starts with (the caller names the file)."
     msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-    if "WeightsUnpickler error:" in msg: msg = msg.split("WeightsUnpickler error:", 1)[1]  # torch's own words
+    if "WeightsUnpickler error:" in msg:
+        msg = msg.split("WeightsUnpickler error:", 1)[1]  # torch's own words
     msg = next((line.strip() for line in msg.splitlines() if line.strip()), type(e).__name__)
     for lead in (f"{path}: ", f"{path} "):
-        if msg.startswith(lead): return msg[len(lead):]
+        if msg.startswith(lead):
+            return msg[len(lead) :]
     return msg
 
 
 def _problem(path) -> str | None:
     "What is wrong with `path` as a checkpoint, or None when it is complete and every checksum verifies."
     head, size = _head(path)
-    if not _claims_format(head, size): return _not_ours(head)
+    if not _claims_format(head, size):
+        return _not_ours(head)
     try:
         io.info(path, verify=True)
     except (CheckpointError, OSError) as e:
@@ -84,22 +92,27 @@ def _problem(path) -> str | None:
 
 def _walk(v, path=""):
     "(path, leaf) for every tensor placeholder in an info() tree."
-    if isinstance(v, io._TensorRef): yield path, v
+    if isinstance(v, io._TensorRef):
+        yield path, v
     elif isinstance(v, dict):
-        for k, x in v.items(): yield from _walk(x, f"{path}.{k}" if path else str(k))
+        for k, x in v.items():
+            yield from _walk(x, f"{path}.{k}" if path else str(k))
     elif isinstance(v, (list, tuple)):
-        for i, x in enumerate(v): yield from _walk(x, f"{path}[{i}]")
+        for i, x in enumerate(v):
+            yield from _walk(x, f"{path}[{i}]")
 
 
 def _nbytes(ref):
     import numpy as np
+
     n = int(np.prod(ref.shape)) if ref.shape else 1
     return n * int(_core.dtype_size(ref.code))
 
 
 def cmd_inspect(a):
     head, size = _head(a.file)
-    if not _claims_format(head, size): raise Failure(f"{a.file}: {_not_ours(head)}")
+    if not _claims_format(head, size):
+        raise Failure(f"{a.file}: {_not_ours(head)}")
     info = io.info(a.file, verify=False)
     try:
         io.info(a.file, verify=True)
@@ -107,25 +120,34 @@ def cmd_inspect(a):
     except CheckpointError as e:
         verified, status = f"CHECKSUM FAILURE: {_reason(e, a.file)}", 1
     tree = info["tree"]
-    print(f"{a.file}: fastai_resume format v{info['version']}, {info['size']:,} bytes, "
-          f"{len(info['blobs'])} blobs, {len(info['tensors'])} tensors; {verified}")
+    print(
+        f"{a.file}: fastai_resume format v{info['version']}, {info['size']:,} bytes, "
+        f"{len(info['blobs'])} blobs, {len(info['tensors'])} tensors; {verified}"
+    )
     train = tree.get("train") if isinstance(tree, dict) else None
     if isinstance(tree, dict) and "model" in tree:
         if train:
             p = train["position"]
-            print(f"position: epoch {p['epoch']} of {p['n_epoch']}, {p['iter']} of {p['n_iter']} training batches done "
-                  f"(batch size {p['bs']}, fit {p['fit_index']}, train_iter {p['train_iter']}, pct_train {p['pct_train']:.4f})")
+            print(
+                f"position: epoch {p['epoch']} of {p['n_epoch']}, {p['iter']} of {p['n_iter']} training batches done "
+                f"(batch size {p['bs']}, fit {p['fit_index']}, train_iter {p['train_iter']}, "
+                f"pct_train {p['pct_train']:.4f})"
+            )
             rec = train.get("recorder") or {}
-            print(f"recorder: {len(rec.get('values', []))} epochs of metrics, smooth-loss count {rec.get('smooth_count')}; "
-                  f"rng: python, numpy, torch{', cuda' if 'cuda' in train['rng'] else ''}; "
-                  f"callbacks: {', '.join(train['callbacks']) or 'none'}")
+            print(
+                f"recorder: {len(rec.get('values', []))} epochs of metrics, "
+                f"smooth-loss count {rec.get('smooth_count')}; "
+                f"rng: python, numpy, torch{', cuda' if 'cuda' in train['rng'] else ''}; "
+                f"callbacks: {', '.join(train['callbacks']) or 'none'}"
+            )
         else:
             print("position: none (saved outside fit: loading it never skips work)")
     total = 0
     for path, ref in _walk({k: v for k, v in tree.items() if k != "train"} if isinstance(tree, dict) else tree):
         size = _nbytes(ref)
         total += size
-        if not a.brief: print(f"  {path:60s} {str(ref.dtype):16s} {str(list(ref.shape)):20s} {size:>12,}")
+        if not a.brief:
+            print(f"  {path:60s} {str(ref.dtype):16s} {str(list(ref.shape)):20s} {size:>12,}")
     print(f"tensors: {total:,} bytes")
     return status
 
@@ -170,8 +192,10 @@ def cmd_verify(a):
     if target.is_dir():
         print(f"{ok} ok, {bad} bad, {skipped} skipped")
         if ok + bad == 0:
-            raise Failure(f"{target}: no fastai_resume checkpoint in this folder "
-                          f"({skipped} other {'entry' if skipped == 1 else 'entries'} skipped)")
+            raise Failure(
+                f"{target}: no fastai_resume checkpoint in this folder "
+                f"({skipped} other {'entry' if skipped == 1 else 'entries'} skipped)"
+            )
     return 1 if bad else 0
 
 
@@ -200,15 +224,22 @@ def _vanilla_globals():
     Optimizer's hyper-parameters), their dtypes, and fastcore's `L`. Nothing else is unpickled."""
     import numpy as np
     from fastcore.foundation import L
+
     scalar = np.float64(0).__reduce__()[0]  # NumPy's scalar reconstructor, found by the public pickle protocol
     # files written under NumPy 2 name it numpy._core..., under NumPy 1 numpy.core...
-    return [(scalar, "numpy._core.multiarray.scalar"), (scalar, "numpy.core.multiarray.scalar"), np.dtype, L,
-            *(getattr(np.dtypes, d) for d in np.dtypes.__all__)]  # the classes of the dtypes unpickled
+    return [
+        (scalar, "numpy._core.multiarray.scalar"),
+        (scalar, "numpy.core.multiarray.scalar"),
+        np.dtype,
+        L,
+        *(getattr(np.dtypes, d) for d in np.dtypes.__all__),
+    ]  # the classes of the dtypes unpickled
 
 
 def _load_vanilla(src: Path, head: bytes):
     "The state dict(s) in a torch.save file, loaded without running code from it."
     import torch
+
     allowed = _vanilla_globals()
     if head.startswith(_ZIP):
         names = {n for x in allowed for n in ([x[1]] if isinstance(x, tuple) else [f"{x.__module__}.{x.__qualname__}"])}
@@ -218,8 +249,10 @@ def _load_vanilla(src: Path, head: bytes):
             raise Failure(f"{src}: a damaged torch.save file ({_reason(e, src)})") from None
         other = sorted(set(found) - names)
         if other:
-            raise Failure(f"{src}: holds {', '.join(other)}, not only tensors and fastai's optimizer state; "
-                          "not loaded (convert never runs code from a file)")
+            raise Failure(
+                f"{src}: holds {', '.join(other)}, not only tensors and fastai's optimizer state; "
+                "not loaded (convert never runs code from a file)"
+            )
     try:
         with torch.serialization.safe_globals(allowed):
             st = torch.load(src, map_location="cpu", weights_only=True)
@@ -228,31 +261,47 @@ def _load_vanilla(src: Path, head: bytes):
             raise Failure(f"{src}: neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file") from None
         raise Failure(f"{src}: a torch.save file that torch.load cannot read safely ({_reason(e, src)})") from None
     model, opt = (st["model"], st["opt"]) if isinstance(st, dict) and set(st) == {"model", "opt"} else (st, None)
-    if not (isinstance(model, dict) and model and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())):
-        raise Failure(f"{src}: a torch.save file, but not a fastai model: expected a state dict, "
-                      "or {'model': state dict, 'opt': ...} as learn.save writes")
+    if not (
+        isinstance(model, dict)
+        and model
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())
+    ):
+        raise Failure(
+            f"{src}: a torch.save file, but not a fastai model: expected a state dict, "
+            "or {'model': state dict, 'opt': ...} as learn.save writes"
+        )
     return model, opt
 
 
 def cmd_convert(a):
     src, dst = Path(a.src), Path(a.dst)
     head, size = _head(src)
-    if dst.is_dir(): raise Failure(f"{dst}: is a folder; name the file to write")
-    if not dst.parent.is_dir(): raise Failure(f"{dst}: folder {dst.parent} does not exist")
-    if dst.exists() and os.path.samefile(src, dst): raise Failure(f"{dst}: is the source file; name another file")
+    if dst.is_dir():
+        raise Failure(f"{dst}: is a folder; name the file to write")
+    if not dst.parent.is_dir():
+        raise Failure(f"{dst}: folder {dst.parent} does not exist")
+    if dst.exists() and os.path.samefile(src, dst):
+        raise Failure(f"{dst}: is the source file; name another file")
     if _claims_format(head, size):
         import torch
+
         tree = io.load(src)
         if not isinstance(tree, dict) or "model" not in tree:
             raise Failure(f"{src}: a fastai_resume file, but not a Learner checkpoint (no 'model')")
-        out = {"model": tree["model"], "opt": tree["opt"]} if tree.get("opt") is not None and not a.model_only else tree["model"]
+        out = (
+            {"model": tree["model"], "opt": tree["opt"]}
+            if tree.get("opt") is not None and not a.model_only
+            else tree["model"]
+        )
         _write_atomically(lambda f: torch.save(out, f), dst)
         print(f"wrote {dst} (vanilla fastai: learn.load / torch.load read it)")
     else:
         from .state import plain
+
         model, opt = _load_vanilla(src, head)
         tree = {"fastai_resume": 1, "model": model}
-        if opt is not None and not a.model_only: tree["opt"] = opt
+        if opt is not None and not a.model_only:
+            tree["opt"] = opt
         try:
             io.save(plain(tree), dst)
         except TypeError as e:
@@ -262,16 +311,21 @@ def cmd_convert(a):
 
 def cmd_check(a):
     from .check import check
-    if not Path(a.script).is_file(): raise Failure(f"{a.script}: no such script")
+
+    if not Path(a.script).is_file():
+        raise Failure(f"{a.script}: no such script")
     kill_at = tuple(int(x) for x in a.kill_at.split(",")) if a.kill_at else None
-    if kill_at is not None and len(kill_at) != 3: raise Failure("--kill-at wants STAGE,EPOCH,BATCH")
+    if kill_at is not None and len(kill_at) != 3:
+        raise Failure("--kill-at wants STAGE,EPOCH,BATCH")
     r = check(a.script, a.args, kill_at=kill_at, batches=a.batches)
     print(("OK   " if r.ok else "DIFF ") + r.message)
     return 0 if r.ok else 1
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="fastai-resume", description="Inspect, verify and convert fastai_resume checkpoints.")
+    ap = argparse.ArgumentParser(
+        prog="fastai-resume", description="Inspect, verify and convert fastai_resume checkpoints."
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("inspect", help="what a checkpoint holds; exit 1 if a checksum fails")
     p.add_argument("file")
@@ -282,10 +336,15 @@ def main(argv=None):
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--model-only", action="store_true", help="write only the model's state dict")
-    p = sub.add_parser("check", help="run a training script uninterrupted, killed and resumed; report the first "
-                                     "difference (exit 1)")
-    p.add_argument("--kill-at", default=None, metavar="STAGE,EPOCH,BATCH",
-                   help="where to kill (default: mid second epoch of the last stage that has one)")
+    p = sub.add_parser(
+        "check", help="run a training script uninterrupted, killed and resumed; report the first difference (exit 1)"
+    )
+    p.add_argument(
+        "--kill-at",
+        default=None,
+        metavar="STAGE,EPOCH,BATCH",
+        help="where to kill (default: mid second epoch of the last stage that has one)",
+    )
     p.add_argument("--batches", type=int, default=8, help="training and validation batches per epoch (default 8)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -294,7 +353,8 @@ def main(argv=None):
         return {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert, "check": cmd_check}[a.cmd](a) or 0
     except (Failure, CheckpointError, OSError) as e:
         msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
-        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg: msg = f"{e.filename}: {msg}"
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+            msg = f"{e.filename}: {msg}"
         print(f"fastai-resume {a.cmd}: error: {msg.splitlines()[0]}", file=sys.stderr)
         return 2
 

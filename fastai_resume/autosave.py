@@ -1,6 +1,7 @@
 """`AutoCheckpoint`: periodic, background, retained, auto-resumed checkpoints, and a clean exit on
 preemption (SIGTERM). One callback; run the same script again after a crash and it continues.
 """
+
 from __future__ import annotations
 
 import errno
@@ -59,16 +60,41 @@ class AutoCheckpoint(Callback):
       from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
       failed save are agreed by all (one all-reduce of 32 bytes per batch, over gloo).
     """
+
     order = 100  # after the Recorder and the trackers have updated, before ResumeSession
 
-    def __init__(self, fname="auto", every_iters=None, every_seconds=None, every_epoch=True, keep=3,
-                 background=True, resume=True, preempt=True, on_error="raise", fast_forward=False):
-        if keep < 1: raise ValueError("AutoCheckpoint(keep=...) must keep at least one checkpoint")
-        if on_error not in ("raise", "warn"): raise ValueError("on_error must be 'raise' or 'warn'")
+    def __init__(
+        self,
+        fname="auto",
+        every_iters=None,
+        every_seconds=None,
+        every_epoch=True,
+        keep=3,
+        background=True,
+        resume=True,
+        preempt=True,
+        on_error="raise",
+        fast_forward=False,
+    ):
+        if keep < 1:
+            raise ValueError("AutoCheckpoint(keep=...) must keep at least one checkpoint")
+        if on_error not in ("raise", "warn"):
+            raise ValueError("on_error must be 'raise' or 'warn'")
         if not re.fullmatch(r"[\w.]+", fname) or len(fname) > 64:
             raise ValueError(f"fname {fname!r}: use up to 64 letters, digits, '.', '_'")
-        self.fname, self.every_iters, self.every_seconds, self.every_epoch = fname, every_iters, every_seconds, every_epoch
-        self.keep, self.background, self.resume, self.preempt, self.on_error = keep, background, resume, preempt, on_error
+        self.fname, self.every_iters, self.every_seconds, self.every_epoch = (
+            fname,
+            every_iters,
+            every_seconds,
+            every_epoch,
+        )
+        self.keep, self.background, self.resume, self.preempt, self.on_error = (
+            keep,
+            background,
+            resume,
+            preempt,
+            on_error,
+        )
         self.fast_forward = fast_forward
         self._inflight = None  # (BackgroundCommit, final path)
         self._pool = SnapshotPool()  # background saves copy into the previous save's buffers
@@ -82,24 +108,33 @@ class AutoCheckpoint(Callback):
 
     def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
         d = dict(self.__dict__)
-        for k in ("_inflight", "_lock", "_old_handler", "_failure"): d[k] = None
+        for k in ("_inflight", "_lock", "_old_handler", "_failure"):
+            d[k] = None
         return d
 
     # -- files ------------------------------------------------------------------------------
     @property
-    def folder(self) -> Path: return paths.model_folder(self.learn)
+    def folder(self) -> Path:
+        return paths.model_folder(self.learn)
 
     def _name(self, stage, fit_index, epoch, it) -> Path:
-        return self.folder / (f"{self.fname}-{self.run_id}-g{self.attempt:03d}-s{stage:03d}-f{fit_index:02d}"
-                              f"-e{epoch:06d}-i{it:010d}{io.EXT}")
+        return self.folder / (
+            f"{self.fname}-{self.run_id}-g{self.attempt:03d}-s{stage:03d}-f{fit_index:02d}"
+            f"-e{epoch:06d}-i{it:010d}{io.EXT}"
+        )
 
     def _pattern(self):
-        return re.compile(re.escape(f"{self.fname}-{self.run_id}-") + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}"
-                          + re.escape(io.EXT) + "$")
+        return re.compile(
+            re.escape(f"{self.fname}-{self.run_id}-")
+            + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}"
+            + re.escape(io.EXT)
+            + "$"
+        )
 
     def checkpoints(self):
         "This run's checkpoint files, oldest (attempt, stage, fit, epoch, iteration) first."
-        if self.run_id is None or not self.folder.is_dir(): return []
+        if self.run_id is None or not self.folder.is_dir():
+            return []
         pat = self._pattern()
         return sorted(p for p in self.folder.iterdir() if pat.match(p.name))
 
@@ -112,9 +147,11 @@ class AutoCheckpoint(Callback):
                 io.info(p, verify=True)
                 return p
             except CheckpointError as e:
-                warnings.warn(f"AutoCheckpoint: skipping {p}: {e}")
-                try: p.rename(p.with_name(p.name + ".corrupt"))
-                except OSError: pass
+                warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=2)
+                try:
+                    p.rename(p.with_name(p.name + ".corrupt"))
+                except OSError:
+                    pass
             except FileNotFoundError:
                 continue
         return None
@@ -123,27 +160,35 @@ class AutoCheckpoint(Callback):
         learn, sc = self.learn, script(self.learn)
         first = sc.signatures[0] if sc.signatures else stage.signature
         from fastai.torch_core import get_model
+
         sd = get_model(learn.model).state_dict()
         from .loaders import batch_size
+
         parts = [f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sd.items() if hasattr(v, "shape")]
-        parts += [f"world {dist.world()}", f"train {len(dist.unwrap_dl(learn.dls.train))}x{batch_size(learn.dls.train)}",
-                  f"first {first['method']} {sorted(first['args'].items())} {first['trainable']}"]
+        parts += [
+            f"world {dist.world()}",
+            f"train {len(dist.unwrap_dl(learn.dls.train))}x{batch_size(learn.dls.train)}",
+            f"first {first['method']} {sorted(first['args'].items())} {first['trainable']}",
+        ]
         return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:10]
 
     def _take_lock(self):
-        if self._lock is not None: return
+        if self._lock is not None:
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f".{self.fname}-{self.run_id}.lock"
         f = open(path, "a+")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:  # a POSIX record lock: the process's own (DataLoader workers forked from it do not hold it)
+            fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
-            raise RuntimeError(f"AutoCheckpoint: {holder} is already training this run into {self.folder} (lock "
-                               f"{path.name}); two processes writing one run's checkpoints would delete each "
-                               "other's files. Stop the other one, or give this one another fname or path.") from None
+            raise RuntimeError(
+                f"AutoCheckpoint: {holder} is already training this run into {self.folder} (lock "
+                f"{path.name}); two processes writing one run's checkpoints would delete each "
+                "other's files. Stop the other one, or give this one another fname or path."
+            ) from None
         f.truncate(0)
         f.write(f"process {os.getpid()}")
         f.flush()
@@ -162,16 +207,24 @@ class AutoCheckpoint(Callback):
     def arm_resume(self, stage):
         """Called when a training call (a stage) begins: identifies the run, takes its lock, and the first
         time (or after an interrupted fit) loads the newest valid checkpoint of this run."""
-        if os.environ.get(check.ENV): return  # `fastai-resume check` runs: no files of ours, no autoresume
-        if self.run_id is None: self.run_id = self._run_identity(stage)
+        if os.environ.get(check.ENV):
+            return  # `fastai-resume check` runs: no files of ours, no autoresume
+        if self.run_id is None:
+            self.run_id = self._run_identity(stage)
         p = None
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
             self._take_lock()
             self._remove_dead_temps()
-            if (self.resume and stage.resume and not stage.explicit and not self._resumed_once
-                    and script(self.learn).armed is None):
+            if (
+                self.resume
+                and stage.resume
+                and not stage.explicit
+                and not self._resumed_once
+                and script(self.learn).armed is None
+            ):
                 p = self.latest_valid()
-                if p is not None: self._retain()  # a run killed between a commit and its retention
+                if p is not None:
+                    self._retain()  # a run killed between a commit and its retention
             files = self.checkpoints()
             if self.attempt is None:
                 last = int(self._pattern().match(files[-1].name)[1]) if files else -1
@@ -180,14 +233,19 @@ class AutoCheckpoint(Callback):
             p, self.attempt = dist.broadcast((None if p is None else str(p), self.attempt))
             p = None if p is None else Path(p)
         self._resumed_once = True
-        if p is None: return
+        if p is None:
+            return
         err = None
-        try: self.learn.load(p, fast_forward=self.fast_forward)
-        except Exception as e: err = e
+        try:
+            self.learn.load(p, fast_forward=self.fast_forward)
+        except Exception as e:
+            err = e
         if dist.active() and dist.agree_any(1 if err is not None else 0):  # one rank failing stops all
-            if err is not None: raise err
+            if err is not None:
+                raise err
             raise CheckpointError(f"AutoCheckpoint: another rank could not load {p}; see its error")
-        if err is not None: raise err
+        if err is not None:
+            raise err
         print(f"AutoCheckpoint: found {p.name}")
 
     # -- events -----------------------------------------------------------------------------
@@ -198,20 +256,25 @@ class AutoCheckpoint(Callback):
         if self.preempt and threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _on_sigterm(self, signum, frame): self._preempted = True
+    def _on_sigterm(self, signum, frame):
+        self._preempted = True
 
     def before_batch(self):
-        if self.training: self._check_inflight(block=False)
+        if self.training:
+            self._check_inflight(block=False)
 
     def after_batch(self):
-        if not self.training or session_of(self.learn) is None: return
+        if not self.training or session_of(self.learn) is None:
+            return
         flags = 1 if self._preempted else 0
         if self.every_seconds and dist.rank() == 0 and time.monotonic() - self.last_time >= self.every_seconds:
             flags |= 2  # rank 0's clock decides for every rank
-        if self._failure is not None: flags |= 4
+        if self._failure is not None:
+            flags |= 4
         if dist.active() and (self.preempt or self.every_seconds or self.background):
             flags = dist.agree_any(flags)  # a SIGTERM seen by any rank: every rank saves at this batch
-        if flags & 4: self._raise_failure()
+        if flags & 4:
+            self._raise_failure()
         if flags & 1:
             self._check_inflight(block=True)
             path = self._save(background=False)
@@ -219,38 +282,47 @@ class AutoCheckpoint(Callback):
             self._restore_handler()
             raise SystemExit(PREEMPTED_EXIT_CODE)
         due = self.every_iters and self.learn.train_iter % self.every_iters == 0
-        if due or flags & 2 or getattr(self, "_retry", False): self._save()
+        if due or flags & 2 or getattr(self, "_retry", False):
+            self._save()
 
     def after_epoch(self):
-        if self.every_epoch: self._save()
+        if self.every_epoch:
+            self._save()
 
     def after_fit(self):
         self._check_inflight(block=True)
         self._pool.release()
         self._restore_handler()
-        if dist.active() and dist.agree_any(4 if self._failure is not None else 0): self._raise_failure()
+        if dist.active() and dist.agree_any(4 if self._failure is not None else 0):
+            self._raise_failure()
 
     def after_interrupted_fit(self):
         """The fit ended in an exception or an interrupt (fastai runs no `after_fit` then): finish the save
         in flight, put the SIGTERM handler back, and let the next training call resume from the newest
         checkpoint, as a rerun of the script after a crash would."""
-        try: self._check_inflight(block=True)
-        except Exception as e: warnings.warn(f"AutoCheckpoint: {e}")
+        try:
+            self._check_inflight(block=True)
+        except Exception as e:
+            warnings.warn(f"AutoCheckpoint: {e}", stacklevel=2)
         self._restore_handler()
         self._resumed_once = False
 
     def _fail(self, msg, exc):
         "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn."
-        if self.on_error == "warn": return warnings.warn(msg)
+        if self.on_error == "warn":
+            return warnings.warn(msg, stacklevel=2)
         err = OSError(getattr(exc, "errno", None), msg) if isinstance(exc, OSError) else CheckpointError(msg)
-        if not dist.active(): raise err from exc
+        if not dist.active():
+            raise err from exc
         self._failure = err
 
     def _raise_failure(self):
         err, self._failure = self._failure, None
-        if err is not None: raise err
-        raise OSError(None, "AutoCheckpoint: rank 0's save failed (its error says why); the previous "
-                            "checkpoints are intact")
+        if err is not None:
+            raise err
+        raise OSError(
+            None, "AutoCheckpoint: rank 0's save failed (its error says why); the previous checkpoints are intact"
+        )
 
     def _restore_handler(self):
         if self._old_handler is not None:
@@ -263,11 +335,13 @@ class AutoCheckpoint(Callback):
         newest = self.latest_valid() if dist.rank() == 0 else None
         n = 0
         for old in self.checkpoints():
-            if old == newest: continue
+            if old == newest:
+                continue
             try:
                 old.unlink()
                 n += 1
-            except OSError: pass
+            except OSError:
+                pass
         return n
 
     def _save(self, background=None):
@@ -277,11 +351,14 @@ class AutoCheckpoint(Callback):
         self.last_time = time.monotonic()
         self._retry = False
         pos = s.position() if s is not None else None
-        if pos is None or self.run_id is None or os.environ.get(check.ENV): return None
+        if pos is None or self.run_id is None or os.environ.get(check.ENV):
+            return None
         path = self._name(s.stage.index, s.fit_index, *pos)
         done = path.exists() or (self._inflight is not None and self._inflight[1] == path)
-        if dist.active(): done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
-        if done: return path  # already saved here
+        if dist.active():
+            done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
+        if done:
+            return path  # already saved here
         self._check_inflight(block=True)  # at most one save in flight
         if not background:  # under DDP: every rank waits until rank 0 has committed
             for attempt in (0, 1):
@@ -289,39 +366,52 @@ class AutoCheckpoint(Callback):
                     checkpoint.commit(lambda: checkpoint.build_tree(learn, with_opt=True, with_iter=True), path)
                     break
                 except OSError as e:
-                    if attempt == 0 and e.errno == errno.ENOSPC and dist.rank() == 0 and self._free_space(): continue
-                    self._fail(f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e)
+                    if attempt == 0 and e.errno == errno.ENOSPC and dist.rank() == 0 and self._free_space():
+                        continue
+                    self._fail(
+                        f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e
+                    )
                     return None
-            if dist.rank() == 0: self._committed(path)
+            if dist.rank() == 0:
+                self._committed(path)
             return path
         tree = checkpoint.build_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
-        if tree is None: return path  # not rank 0: nothing to write
+        if tree is None:
+            return path  # not rank 0: nothing to write
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             w = BackgroundCommit(tree, path, self._pool)
         except (OSError, TypeError, ValueError, RuntimeError) as e:
-            if not dist.active(): raise
-            self._fail(f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints "
-                       "are intact.", e)
+            if not dist.active():
+                raise
+            self._fail(
+                f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints are intact.", e
+            )
             return None
         self._inflight = (w, path)
         return path
 
     def _check_inflight(self, block):
-        if self._inflight is None: return
+        if self._inflight is None:
+            return
         w, path = self._inflight
-        if not block and not w.done: return
+        if not block and not w.done:
+            return
         self._inflight = None
         try:
             w.wait()
         except OSError as e:
             if e.errno == errno.ENOSPC and not getattr(self, "_retried", False) and self._free_space():
                 self._retried = self._retry = True  # the next training batch saves again, once
-                warnings.warn(f"AutoCheckpoint: the disk was full saving {path}; older checkpoints of this run "
-                              "were removed and the next batch saves again")
+                warnings.warn(
+                    f"AutoCheckpoint: the disk was full saving {path}; older checkpoints of this run "
+                    "were removed and the next batch saves again",
+                    stacklevel=2,
+                )
                 return
-            self._fail(f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are "
-                       "intact.", e)
+            self._fail(
+                f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact.", e
+            )
             return
         self._retried = False
         self._committed(path)
@@ -332,6 +422,8 @@ class AutoCheckpoint(Callback):
         self._retain()
 
     def _retain(self):
-        for old in self.checkpoints()[:-self.keep]:
-            try: old.unlink()
-            except OSError as e: warnings.warn(f"AutoCheckpoint: could not remove {old}: {e}")
+        for old in self.checkpoints()[: -self.keep]:
+            try:
+                old.unlink()
+            except OSError as e:
+                warnings.warn(f"AutoCheckpoint: could not remove {old}: {e}", stacklevel=2)

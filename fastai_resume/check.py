@@ -11,6 +11,7 @@ where the resumed run differs from the uninterrupted one is reported with its li
 While checking, `AutoCheckpoint` neither saves nor resumes (the check tests the same save and resume
 with a checkpoint of its own, `fastai_resume_check.frk`, removed afterwards).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,8 @@ ENV_TRACE, ENV_BATCHES = "FASTAI_RESUME_CHECK_TRACE", "FASTAI_RESUME_CHECK_BATCH
 CKPT = "fastai_resume_check"
 
 
-def _text(v) -> int: return _core.crc32c(repr(v).encode())  # the same in every process (unlike hash())
+def _text(v) -> int:
+    return _core.crc32c(repr(v).encode())  # the same in every process (unlike hash())
 
 
 def _crc(t) -> int:
@@ -46,50 +48,72 @@ def _crc(t) -> int:
         return _core.crc32c(t.view(torch.uint8).numpy() if t.numel() else b"", head)
     if isinstance(t, (list, tuple)):
         c = 0
-        for x in t: c = (c * 1000003) ^ _crc(x)
+        for x in t:
+            c = (c * 1000003) ^ _crc(x)
         return c
-    if isinstance(t, dict): return _crc([_text(k) ^ _crc(v) for k, v in t.items()])
-    if isinstance(t, (int, float, bool, str)): return _text(t)
+    if isinstance(t, dict):
+        return _crc([_text(k) ^ _crc(v) for k, v in t.items()])
+    if isinstance(t, (int, float, bool, str)):
+        return _text(t)
     return 0
 
 
 def _rng_digest() -> int:
-    return _text((_text(random.getstate()), _crc(torch.from_numpy(np.random.get_state()[1].copy())),
-                  _crc(torch.get_rng_state())))
+    return _text(
+        (
+            _text(random.getstate()),
+            _crc(torch.from_numpy(np.random.get_state()[1].copy())),  # type: ignore[index]
+            _crc(torch.get_rng_state()),
+        )
+    )
 
 
 def probe_for(learn):
     "The check's probe callback for a fit of `learn`, if this process runs under `fastai-resume check`."
     mode = os.environ.get(ENV)
-    if not mode: return None
+    if not mode:
+        return None
     from fastai.callback.core import Callback, CancelTrainException, CancelValidException
 
     from .session import script
 
     class CheckProbe(Callback):
         "Cuts epochs, records digests per training batch, and saves and dies where told."
+
         order = 300
 
         def before_batch(self):
-            if not self.training: return
+            if not self.training:
+                return
             self.pre = {"rng": _rng_digest(), "data": _crc(list(self.xb) + list(self.yb))}
 
         def after_batch(self):
             n = int(os.environ.get(ENV_BATCHES, "8"))
             if not self.training:
-                if self.iter + 1 >= n: raise CancelValidException()
+                if self.iter + 1 >= n:
+                    raise CancelValidException()
                 return
             sc = script(self.learn)
             key = [sc.stage.index, sc.session.fit_index, self.epoch, self.iter]
-            rec = {"key": key, **self.pre, "loss": float(self.loss), "model": _crc(list(self.model.state_dict().values())),
-                   "opt": _crc(self.opt.state_dict()["state"] if isinstance(self.opt.state_dict(), dict) else [])}
-            with open(os.environ[ENV_TRACE], "a") as f: f.write(json.dumps(rec) + "\n")
-            if mode.startswith("kill:") and key[0] == int(mode[5:].split(",")[0]) and \
-                    [self.epoch, self.iter + 1] == [int(x) for x in mode[5:].split(",")[1:]]:
+            rec = {
+                "key": key,
+                **self.pre,
+                "loss": float(self.loss),
+                "model": _crc(list(self.model.state_dict().values())),
+                "opt": _crc(self.opt.state_dict()["state"] if isinstance(self.opt.state_dict(), dict) else []),
+            }
+            with open(os.environ[ENV_TRACE], "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if (
+                mode.startswith("kill:")
+                and key[0] == int(mode[5:].split(",")[0])
+                and [self.epoch, self.iter + 1] == [int(x) for x in mode[5:].split(",")[1:]]
+            ):
                 self.learn.save(CKPT, with_iter=True)
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if self.iter + 1 >= n: raise CancelTrainException()
+            if self.iter + 1 >= n:
+                raise CancelTrainException()
 
     return CheckProbe()
 
@@ -98,22 +122,22 @@ def probe_for(learn):
 class CheckResult:
     ok: bool
     message: str
-    kill_at: tuple
+    kill_at: tuple | None
 
 
 _CAUSES = {
     "rng": "the RNG state before this batch differs: something drew random numbers that the checkpoint does not "
-           "restore (a callback's before_batch, a transform outside the DataLoader, a stream or sampler with its own "
-           "generator that has no state_dict)",
+    "restore (a callback's before_batch, a transform outside the DataLoader, a stream or sampler with its own "
+    "generator that has no state_dict)",
     "data": "this batch's data differs: the loader's order or its random transforms are not restored (a custom "
-            "DataLoader or sampler keeping order state outside state_dict(), a stream without state_dict(), random "
-            "transforms in a PyTorch DataLoader's worker processes)",
+    "DataLoader or sampler keeping order state outside state_dict(), a stream without state_dict(), random "
+    "transforms in a PyTorch DataLoader's worker processes)",
     "loss": "same data and RNG but another loss: model state outside the state dict (a buffer kept as a plain "
-            "attribute, a recurrent model's hidden state fastai_resume does not know)",
+    "attribute, a recurrent model's hidden state fastai_resume does not know)",
     "model": "same data, RNG and loss but another model after the step: optimizer or gradient state outside the "
-             "checkpoint (a custom optimizer's attributes, a callback changing the step without resume_state())",
+    "checkpoint (a custom optimizer's attributes, a callback changing the step without resume_state())",
     "opt": "the optimizer state after the step differs: a custom optimizer or callback state not saved (give the "
-           "callback resume_state()/load_resume_state())",
+    "callback resume_state()/load_resume_state())",
 }
 
 
@@ -142,10 +166,15 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
         ref_t, res_t = Path(tmp) / "ref.jsonl", Path(tmp) / "res.jsonl"
         p = _run(cmd, cwd, env, "record", ref_t, batches)
         if p.returncode != 0:
-            return CheckResult(False, f"the script failed on its own (exit {p.returncode}): "
-                               f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}", None)
+            return CheckResult(
+                False,
+                f"the script failed on its own (exit {p.returncode}): "
+                f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}",
+                None,
+            )
         ref = _trace(ref_t)
-        if not ref: return CheckResult(False, "the script trained no batch under fastai (no fit was seen)", None)
+        if not ref:
+            return CheckResult(False, "the script trained no batch under fastai (no fit was seen)", None)
         if kill_at is None:
             stages = sorted({k[0] for k in ref})
             late = [s for s in stages if any(k[0] == s and k[2] >= 1 for k in ref)]
@@ -156,26 +185,48 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
         s, e, i = kill_at
         p = _run(cmd, cwd, env, f"kill:{s},{e},{i}", Path(tmp) / "dead.jsonl", batches)
         if p.returncode != -signal.SIGKILL:
-            return CheckResult(False, f"the run to be killed at stage {s}, epoch {e}, batch {i} was not killed there "
-                               f"(exit {p.returncode}): is there such a batch?", kill_at)
+            return CheckResult(
+                False,
+                f"the run to be killed at stage {s}, epoch {e}, batch {i} was not killed there "
+                f"(exit {p.returncode}): is there such a batch?",
+                kill_at,
+            )
         p = _run(cmd, cwd, env, "resume", res_t, batches)
         res = _trace(res_t)
         if p.returncode != 0:
-            return CheckResult(False, f"the resumed run failed (exit {p.returncode}): "
-                               f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}", kill_at)
+            return CheckResult(
+                False,
+                f"the resumed run failed (exit {p.returncode}): {(p.stderr or p.stdout).strip().splitlines()[-1:]}",
+                kill_at,
+            )
         for key in sorted(ref):
-            if tuple(key[:1] + key[2:]) < (s, e, i): continue
+            if tuple(key[:1] + key[2:]) < (s, e, i):
+                continue
             r = res.get(key)
             if r is None:
-                return CheckResult(False, f"stage {key[0]}, fit {key[1]}, epoch {key[2]}, batch {key[3]}: trained by "
-                                   "the uninterrupted run, not by the resumed one", kill_at)
+                return CheckResult(
+                    False,
+                    f"stage {key[0]}, fit {key[1]}, epoch {key[2]}, batch {key[3]}: trained by "
+                    "the uninterrupted run, not by the resumed one",
+                    kill_at,
+                )
             for field in ("rng", "data", "loss", "model", "opt"):
                 if r[field] != ref[key][field]:
-                    return CheckResult(False, f"first difference at stage {key[0]}, fit {key[1]}, epoch {key[2]}, "
-                                       f"batch {key[3]}: {field}. Likely cause: {_CAUSES[field]}.", kill_at)
+                    return CheckResult(
+                        False,
+                        f"first difference at stage {key[0]}, fit {key[1]}, epoch {key[2]}, "
+                        f"batch {key[3]}: {field}. Likely cause: {_CAUSES[field]}.",
+                        kill_at,
+                    )
         extra = sorted(set(res) - set(ref))
-        if extra: return CheckResult(False, f"the resumed run trained batches the uninterrupted one did not: {extra[:3]}",
-                                     kill_at)
+        if extra:
+            return CheckResult(
+                False, f"the resumed run trained batches the uninterrupted one did not: {extra[:3]}", kill_at
+            )
         n = sum(1 for k in ref if tuple(k[:1] + k[2:]) >= (s, e, i))
-        return CheckResult(True, f"exact: killed at stage {s}, epoch {e}, batch {i} and resumed, the {n} batches "
-                           "after it match the uninterrupted run (RNG, data, loss, model, optimizer)", kill_at)
+        return CheckResult(
+            True,
+            f"exact: killed at stage {s}, epoch {e}, batch {i} and resumed, the {n} batches "
+            "after it match the uninterrupted run (RNG, data, loss, model, optimizer)",
+            kill_at,
+        )

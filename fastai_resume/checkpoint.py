@@ -9,6 +9,7 @@ shapes against the learner's, the optimizer state's shape, and every field of th
 (`validate_train`), so a wrong or hostile file gets a `CheckpointError` naming the field, never a
 half-loaded learner or an error later in `fit`.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,10 +29,13 @@ STATE_VERSION = 2  # 2: stages, loader states, validation-time RNG; 1 files are 
 
 def model_tree(learn, with_opt: bool) -> dict:
     from fastai.torch_core import get_model
+
     from .state import plain
+
     tree = {"fastai_resume": STATE_VERSION, "model": plain(get_model(learn.model).state_dict())}
     opt = getattr(learn, "opt", None)
-    if with_opt and opt is not None: tree["opt"] = plain(opt.state_dict())
+    if with_opt and opt is not None:
+        tree["opt"] = plain(opt.state_dict())
     return tree
 
 
@@ -44,21 +48,29 @@ def build_tree(learn, with_opt=True, with_iter=False) -> dict | None:
         if getattr(learn, "opt", None) is None:
             raise ValueError("save(with_iter=True): the learner has no optimizer yet (call fit or create_opt first)")
         from .session import session_of
+
         s = session_of(learn)
         train = s.capture() if s is not None else None
-    if dist.rank() != 0: return None
+    if dist.rank() != 0:
+        return None
     tree = model_tree(learn, with_opt)
-    if with_iter: tree["train"] = train
+    if with_iter:
+        tree["train"] = train
     return tree
 
 
 def cloned(tree):
     "`tree` with every tensor and array copied (what a live object may change in place stays apart)."
-    if isinstance(tree, torch.Tensor): return tree.clone()
-    if isinstance(tree, np.ndarray): return tree.copy()
-    if isinstance(tree, dict): return {k: cloned(v) for k, v in tree.items()}
-    if isinstance(tree, list): return [cloned(v) for v in tree]
-    if isinstance(tree, tuple): return tuple(cloned(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if isinstance(tree, dict):
+        return {k: cloned(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [cloned(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(cloned(v) for v in tree)
     return tree
 
 
@@ -66,9 +78,12 @@ _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.\d+$")
 
 
 def _alive(pid: int) -> bool:
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return False
-    except PermissionError: return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
 
 
@@ -76,15 +91,19 @@ def remove_dead_temps(folder: Path, names=None) -> int:
     """Remove temporary files of saves whose writing process is gone (killed mid-save), for the final
     names `names` accepts (a callable; all when None). A live writer's file is never touched."""
     n = 0
-    if not folder.is_dir(): return 0
+    if not folder.is_dir():
+        return 0
     for p in folder.iterdir():
         m = _TEMP.match(p.name)
-        if m is None or (names is not None and not names(m["name"])): continue
-        if int(m["pid"]) == os.getpid() or _alive(int(m["pid"])): continue
+        if m is None or (names is not None and not names(m["name"])):
+            continue
+        if int(m["pid"]) == os.getpid() or _alive(int(m["pid"])):
+            continue
         try:
             p.unlink()
             n += 1
-        except OSError: pass
+        except OSError:
+            pass
     return n
 
 
@@ -100,23 +119,29 @@ def commit(build, path: Path) -> None:
             remove_dead_temps(path.parent, lambda name: name == path.name)
             io.save(tree, path)
     except Exception as e:  # under DDP every rank must hear of it, or the others wait forever
-        if not dist.active(): raise
+        if not dist.active():
+            raise
         exc = e
-    if not dist.active(): return
-    if not dist.agree_any(1 if exc is not None else 0): return  # committed, and every rank knows
+    if not dist.active():
+        return
+    if not dist.agree_any(1 if exc is not None else 0):
+        return  # committed, and every rank knows
     why = dist.broadcast(f"{type(exc).__name__}: {exc}" if exc is not None else "it failed on another rank")
-    if exc is not None: raise exc
+    if exc is not None:
+        raise exc
     raise CheckpointError(f"the checkpoint {path} was not saved (rank 0: {why}); the previous files are intact")
 
 
 # ---- validation ---------------------------------------------------------------------------------
+
 
 class _Bad(Exception):
     pass
 
 
 def _need(ok, where: str, what: str):
-    if not ok: raise _Bad(f"{where}: {what}")
+    if not ok:
+        raise _Bad(f"{where}: {what}")
 
 
 def _int(v, where, lo=0):
@@ -130,7 +155,8 @@ def _num(v, where):
 
 def _dict(v, where, keys=()):
     _need(isinstance(v, dict), where, f"expected a dict, got {type(v).__name__}")
-    for k in keys: _need(k in v, where, f"missing {k!r}")
+    for k in keys:
+        _need(k in v, where, f"missing {k!r}")
     return v
 
 
@@ -141,69 +167,114 @@ def _seq(v, where):
 
 def _tensor(v, where, dtype=None, dim=None):
     _need(isinstance(v, torch.Tensor), where, f"expected a tensor, got {type(v).__name__}")
-    if dtype is not None: _need(v.dtype == dtype, where, f"dtype {v.dtype}, expected {dtype}")
-    if dim is not None: _need(v.dim() == dim, where, f"{v.dim()} dimensions, expected {dim}")
+    if dtype is not None:
+        _need(v.dtype == dtype, where, f"dtype {v.dtype}, expected {dtype}")
+    if dim is not None:
+        _need(v.dim() == dim, where, f"{v.dim()} dimensions, expected {dim}")
 
 
 def _py_rng(v, where):
     v = _seq(v, where)
-    _need(len(v) == 3 and isinstance(v[0], int) and isinstance(v[1], (list, tuple)) and len(v[1]) == 625
-          and all(isinstance(x, int) and 0 <= x < 1 << 32 for x in v[1][:624])
-          and (v[2] is None or isinstance(v[2], float)), where, "not a Python RNG state")
+    _need(
+        len(v) == 3
+        and isinstance(v[0], int)
+        and isinstance(v[1], (list, tuple))
+        and len(v[1]) == 625
+        and all(isinstance(x, int) and 0 <= x < 1 << 32 for x in v[1][:624])
+        and (v[2] is None or isinstance(v[2], float)),
+        where,
+        "not a Python RNG state",
+    )
 
 
 def _rng(v, where):
     v = _dict(v, where, ("python", "numpy", "torch"))
     _py_rng(v["python"], f"{where}.python")
     n = _seq(v["numpy"], f"{where}.numpy")
-    _need(len(n) == 5 and n[0] == "MT19937" and isinstance(n[1], np.ndarray) and n[1].dtype == np.uint32
-          and n[1].shape == (624,) and isinstance(n[2], int) and 0 <= n[2] <= 624 and isinstance(n[3], int)
-          and isinstance(n[4], float), f"{where}.numpy", "not a NumPy RNG state")
+    _need(
+        len(n) == 5
+        and n[0] == "MT19937"
+        and isinstance(n[1], np.ndarray)
+        and n[1].dtype == np.uint32
+        and n[1].shape == (624,)
+        and isinstance(n[2], int)
+        and 0 <= n[2] <= 624
+        and isinstance(n[3], int)
+        and isinstance(n[4], float),
+        f"{where}.numpy",
+        "not a NumPy RNG state",
+    )
     _tensor(v["torch"], f"{where}.torch", torch.uint8, 1)
-    for i, t in enumerate(_seq(v.get("cuda", []), f"{where}.cuda")): _tensor(t, f"{where}.cuda[{i}]", torch.uint8, 1)
+    for i, t in enumerate(_seq(v.get("cuda", []), f"{where}.cuda")):
+        _tensor(t, f"{where}.cuda[{i}]", torch.uint8, 1)
 
 
 def _loader(v, where):
     v = _dict(v, where, ("kind",))
     _need(v["kind"] in ("fastai", "torch", "other"), where, f"unknown loader kind {v['kind']!r:.20}")
-    if "rng" in v: _py_rng(v["rng"], f"{where}.rng")
+    if "rng" in v:
+        _py_rng(v["rng"], f"{where}.rng")
     if "order" in v:
         order = _seq(v["order"], f"{where}.order")
-        _need(all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(order) for i in order)
-              and len(set(order)) == len(order), f"{where}.order", "not a permutation")
+        _need(
+            all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(order) for i in order)
+            and len(set(order)) == len(order),
+            f"{where}.order",
+            "not a permutation",
+        )
     for i, g in enumerate(_seq(v.get("generators", []), f"{where}.generators")):
         _tensor(g, f"{where}.generators[{i}]", torch.uint8, 1)
 
 
 def _recorder(v, where):
-    if v is None: return
+    if v is None:
+        return
     v = _dict(v, where, ("lrs", "iters", "losses", "values", "smooth_count", "smooth_val"))
-    for x in _seq(v["lrs"], f"{where}.lrs"): _num(x, f"{where}.lrs[]")
-    for x in _seq(v["iters"], f"{where}.iters"): _int(x, f"{where}.iters[]")
+    for x in _seq(v["lrs"], f"{where}.lrs"):
+        _num(x, f"{where}.lrs[]")
+    for x in _seq(v["iters"], f"{where}.iters"):
+        _int(x, f"{where}.iters[]")
     losses = v["losses"]
     if isinstance(losses, torch.Tensor):
         _need(losses.dim() == 1 and losses.is_floating_point(), f"{where}.losses", "expected a 1-dim float tensor")
     else:
         for x in _seq(losses, f"{where}.losses"):
-            _need(isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.dim() == 0),
-                  f"{where}.losses[]", "expected a number")
+            _need(
+                isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.dim() == 0),
+                f"{where}.losses[]",
+                "expected a number",
+            )
     for row in _seq(v["values"], f"{where}.values"):
         for x in _seq(row, f"{where}.values[]"):
-            _need(x is None or isinstance(x, (int, float)) and not isinstance(x, bool)
-                  or isinstance(x, torch.Tensor) and x.dim() == 0, f"{where}.values[]", "expected a number")
+            _need(
+                x is None
+                or isinstance(x, (int, float))
+                and not isinstance(x, bool)
+                or isinstance(x, torch.Tensor)
+                and x.dim() == 0,
+                f"{where}.values[]",
+                "expected a number",
+            )
     _int(v["smooth_count"], f"{where}.smooth_count")
     sv = v["smooth_val"]
-    _need(isinstance(sv, float) or isinstance(sv, torch.Tensor) and sv.dim() == 0 and sv.is_floating_point(),
-          f"{where}.smooth_val", "expected a float")
-    for m in _seq(v.get("train_metrics", []), f"{where}.train_metrics"): _dict(m, f"{where}.train_metrics[]")
+    _need(
+        isinstance(sv, float) or isinstance(sv, torch.Tensor) and sv.dim() == 0 and sv.is_floating_point(),
+        f"{where}.smooth_val",
+        "expected a float",
+    )
+    for m in _seq(v.get("train_metrics", []), f"{where}.train_metrics"):
+        _dict(m, f"{where}.train_metrics[]")
 
 
 def _rank_part(v, where):
     v = _dict(v, where, ("rng", "rng_epoch", "loaders_now", "loaders_epoch"))
-    for k in ("rng", "rng_epoch"): _rng(v[k], f"{where}.{k}")
-    if v.get("rng_valid") is not None: _rng(v["rng_valid"], f"{where}.rng_valid")
+    for k in ("rng", "rng_epoch"):
+        _rng(v[k], f"{where}.{k}")
+    if v.get("rng_valid") is not None:
+        _rng(v["rng_valid"], f"{where}.rng_valid")
     for k in ("loaders_now", "loaders_epoch"):
-        for i, ld in enumerate(_seq(v[k], f"{where}.{k}")): _loader(ld, f"{where}.{k}[{i}]")
+        for i, ld in enumerate(_seq(v[k], f"{where}.{k}")):
+            _loader(ld, f"{where}.{k}[{i}]")
     _recorder(v.get("recorder"), f"{where}.recorder")
     for name, m in _dict(v.get("modules", {}), f"{where}.modules").items():
         m = _dict(m, f"{where}.modules[{name!r}]", ("hidden", "bs"))
@@ -219,16 +290,21 @@ def validate_train(train) -> None:
     try:
         t = _dict(train, "train", ("position", "stages", "hypers", "grads", "rows", "callbacks", "rng_stage"))
         pos = _dict(t["position"], "train.position", _POSITION_INTS + ("bs", "pct_train"))
-        for k in _POSITION_INTS: _int(pos[k], f"train.position.{k}", lo=1 if k == "world_size" else 0)
+        for k in _POSITION_INTS:
+            _int(pos[k], f"train.position.{k}", lo=1 if k == "world_size" else 0)
         _need(pos["bs"] is None or isinstance(pos["bs"], int), "train.position.bs", "expected an int or None")
         _num(pos["pct_train"], "train.position.pct_train")
-        _need(pos["epoch"] <= pos["n_epoch"] and pos["iter"] <= pos["n_iter"], "train.position",
-              f"epoch {pos['epoch']}/{pos['n_epoch']}, iteration {pos['iter']}/{pos['n_iter']} is outside the fit")
+        _need(
+            pos["epoch"] <= pos["n_epoch"] and pos["iter"] <= pos["n_iter"],
+            "train.position",
+            f"epoch {pos['epoch']}/{pos['n_epoch']}, iteration {pos['iter']}/{pos['n_iter']} is outside the fit",
+        )
         stages = _seq(t["stages"], "train.stages")
         _need(len(stages) == pos["stage"] + 1, "train.stages", f"{len(stages)} stages for stage {pos['stage']}")
         for i, s in enumerate(stages):
             s = _dict(s, f"train.stages[{i}]", ("method", "args", "trainable"))
-            for k in ("method", "trainable"): _need(isinstance(s[k], str), f"train.stages[{i}].{k}", "expected a str")
+            for k in ("method", "trainable"):
+                _need(isinstance(s[k], str), f"train.stages[{i}].{k}", "expected a str")
             for k, v in _dict(s["args"], f"train.stages[{i}].args").items():
                 _need(isinstance(k, str) and isinstance(v, str), f"train.stages[{i}].args", "expected str: str")
         _rank_part(t, "train")
@@ -236,18 +312,27 @@ def validate_train(train) -> None:
         ranks = t.get("ranks")
         if ranks is not None:
             for i, r in enumerate(_seq(ranks, "train.ranks")):
-                if r is not None: _rank_part(r, f"train.ranks[{i}]")
+                if r is not None:
+                    _rank_part(r, f"train.ranks[{i}]")
         for i, h in enumerate(_seq(t["hypers"], "train.hypers")):
             for k, x in _dict(h, f"train.hypers[{i}]").items():
                 where = f"train.hypers[{i}][{k!r}]"
                 _need(isinstance(k, str), where, "expected a str key")
                 if isinstance(x, (list, tuple)):
-                    for y in x: _num(y, where)
-                elif not isinstance(x, bool): _num(x, where)
+                    for y in x:
+                        _num(y, where)
+                else:  # numbers, and the flags torch's optimizers keep (foreach=None, maximize=False, ...)
+                    _need(
+                        x is None or isinstance(x, (bool, int, float, str)),
+                        where,
+                        f"expected a number, a flag or None, got {type(x).__name__}",
+                    )
         if t["grads"] is not None:
             for i, g in enumerate(_seq(t["grads"], "train.grads")):
-                if g is not None: _tensor(g, f"train.grads[{i}]")
-        for row in _seq(t["rows"], "train.rows"): _seq(row, "train.rows[]")
+                if g is not None:
+                    _tensor(g, f"train.grads[{i}]")
+        for row in _seq(t["rows"], "train.rows"):
+            _seq(row, "train.rows[]")
         _dict(t["callbacks"], "train.callbacks")
     except _Bad as e:
         raise CheckpointError(f"malformed training state: {e}") from None
@@ -262,18 +347,24 @@ def read(path: Path) -> dict:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise CheckpointError(f"{path}: no valid 'fastai_resume' schema version ({v!r:.20})")
     if v > STATE_VERSION:
-        raise CheckpointError(f"{path}: written by a newer fastai_resume (schema {v}; this one reads up to "
-                              f"{STATE_VERSION}): upgrade fastai_resume to load it")
+        raise CheckpointError(
+            f"{path}: written by a newer fastai_resume (schema {v}; this one reads up to "
+            f"{STATE_VERSION}): upgrade fastai_resume to load it"
+        )
     if "opt" in tree and not isinstance(tree["opt"], dict):
         raise CheckpointError(f"{path}: 'opt' is a {type(tree['opt']).__name__}, expected a dict")
     train = tree.get("train")
     if train is not None:
         if v < STATE_VERSION:
-            raise CheckpointError(f"{path}: its training position was saved by an older fastai_resume (schema {v}) "
-                                  "and cannot be resumed exactly by this one; load(..., resume=False) loads its "
-                                  "model and optimizer")
-        try: validate_train(train)
-        except CheckpointError as e: raise CheckpointError(f"{path}: {e}") from None
+            raise CheckpointError(
+                f"{path}: its training position was saved by an older fastai_resume (schema {v}) "
+                "and cannot be resumed exactly by this one; load(..., resume=False) loads its "
+                "model and optimizer"
+            )
+        try:
+            validate_train(train)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     return tree
 
 
@@ -282,11 +373,14 @@ def model_mismatch(current: dict, saved: dict, strict: bool) -> str:
     out = []
     if strict:
         missing, unexpected = sorted(current.keys() - saved.keys()), sorted(saved.keys() - current.keys())
-        if missing: out.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if unexpected: out.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if missing:
+            out.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            out.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     for k in current.keys() & saved.keys():
         a, b = current[k], saved[k]
-        if not isinstance(a, torch.Tensor): continue
+        if not isinstance(a, torch.Tensor):
+            continue
         if not isinstance(b, torch.Tensor):
             out.append(f"{k}: a {type(b).__name__} in the file, a tensor in the model")
         elif a.shape != b.shape:
@@ -298,13 +392,18 @@ def model_mismatch(current: dict, saved: dict, strict: bool) -> str:
 
 def opt_mismatch(opt, saved: dict) -> str:
     "What keeps an optimizer state dict from fitting `opt`'s parameters ('' if nothing)."
-    params = [p for pg in getattr(opt, "param_lists", getattr(opt, "param_groups", [])) for p in
-              (pg["params"] if isinstance(pg, dict) else pg)]
+    params = [
+        p
+        for pg in getattr(opt, "param_lists", getattr(opt, "param_groups", []))
+        for p in (pg["params"] if isinstance(pg, dict) else pg)
+    ]
     states = saved.get("state")
     if isinstance(states, list) and params:  # fastai's Optimizer: one state dict per parameter
-        if len(states) != len(params): return f"{len(states)} parameter states in the file, {len(params)} parameters"
+        if len(states) != len(params):
+            return f"{len(states)} parameter states in the file, {len(params)} parameters"
         for i, (p, st) in enumerate(zip(params, states)):
-            if not isinstance(st, dict): return f"state[{i}] is a {type(st).__name__}"
+            if not isinstance(st, dict):
+                return f"state[{i}] is a {type(st).__name__}"
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.numel() > 1 and v.shape != p.shape:
                     return f"state[{i}][{k!r}]: shape {tuple(v.shape)}, parameter {tuple(p.shape)}"

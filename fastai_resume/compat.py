@@ -6,6 +6,7 @@ resume silently. `make compat` runs the exactness tests on every release in `TES
 `REPLACED_SOURCES` records a hash of the source of each fastai function the package replaces or
 relies on, the same in all of them: `tests/test_compat.py` fails when the installed fastai's differ.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,8 +15,15 @@ import importlib.util
 import os
 import warnings
 
-__all__ = ["TESTED_FASTAI", "REPLACED_SOURCES", "FastaiVersionWarning", "check_fastai_version",
-           "fastai_sources", "source_hash", "changed_sources"]
+__all__ = [
+    "TESTED_FASTAI",
+    "REPLACED_SOURCES",
+    "FastaiVersionWarning",
+    "check_fastai_version",
+    "fastai_sources",
+    "source_hash",
+    "changed_sources",
+]
 
 TESTED_FASTAI = ("2.8.9", "2.8.10", "2.8.11", "2.8.12")  # what `make compat` tests; keep pyproject.toml in step
 
@@ -50,8 +58,15 @@ REPLACED_SOURCES = {
     "callback/tracker.py": {"TrackerCallback": "73b35ca9ba4b1174"},
     "callback/fp16.py": {"MixedPrecision": "70c92982ffe6a05a"},
     "callback/training.py": {"GradientAccumulation": "26f6ca3fc35fe416"},
-    "callback/tensorboard.py": {"TensorBoardCallback": "1ed7c31b875461ee", "TensorBoardBaseCallback": "617eb28c398bcaea"},
-    "callback/wandb.py": {"before_fit": "331e4be113bb7b69", "after_batch": "2864e157338e5d41", "after_epoch": "362b27f88ac26286"},  # WandbCallback's, @patch'ed
+    "callback/tensorboard.py": {
+        "TensorBoardCallback": "1ed7c31b875461ee",
+        "TensorBoardBaseCallback": "617eb28c398bcaea",
+    },
+    "callback/wandb.py": {
+        "before_fit": "331e4be113bb7b69",
+        "after_batch": "2864e157338e5d41",
+        "after_epoch": "362b27f88ac26286",
+    },  # WandbCallback's, @patch'ed
     "data/load.py": {
         "DataLoader.__iter__": "a8c7ec0cb5ed8b2b",
         "DataLoader.get_idxs": "e49f2fddb1206c3c",
@@ -65,6 +80,7 @@ class FastaiVersionWarning(UserWarning):
 
 def _key(v: str) -> tuple:
     from packaging.version import Version
+
     return Version(v).release
 
 
@@ -73,22 +89,27 @@ def check_fastai_version(version: str | None = None) -> bool:
     the tested range. Returns True when it is inside."""
     if version is None:
         import fastai
+
         version = fastai.__version__
     lo, hi = TESTED_FASTAI[0], TESTED_FASTAI[-1]
-    if _key(lo) <= _key(version) <= _key(hi): return True
+    if _key(lo) <= _key(version) <= _key(hi):
+        return True
     warnings.warn(
         f"fastai_resume is tested with fastai {lo} to {hi}, and fastai {version} is installed. It replaces "
         "fastai's training loop internals (Learner._do_fit, all_batches, _call_one, fit and the fit_one_cycle/"
         "fit_flat_cos/fit_sgdr/fine_tune wrappers, save/load) and restores Recorder and callback state by "
         "their attribute names: with another fastai a resumed run may differ from the uninterrupted one or "
         f"fail. Install fastai>={lo},<={hi} (`pip install 'fastai>={lo},<={hi}'`).",
-        FastaiVersionWarning, stacklevel=2)
+        FastaiVersionWarning,
+        stacklevel=2,
+    )
     return False
 
 
 def _fastai_dir() -> str:
     spec = importlib.util.find_spec("fastai")
-    if spec is None or not spec.submodule_search_locations: raise ImportError("fastai is not installed")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("fastai is not installed")
     return list(spec.submodule_search_locations)[0]
 
 
@@ -96,9 +117,19 @@ def _find(tree: ast.Module, qualname: str):
     "The node of `qualname` ('Class.method', 'Class.attr', 'Class' or a module-level function)."
     body, node = tree.body, None
     for part in qualname.split("."):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part
-                     or isinstance(n, ast.Assign) and any(getattr(t, "id", None) == part for t in n.targets)), None)
-        if node is None: return None
+        node = next(
+            (
+                n
+                for n in body
+                if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                and n.name == part
+                or isinstance(n, ast.Assign)
+                and any(getattr(t, "id", None) == part for t in n.targets)
+            ),
+            None,
+        )
+        if node is None:
+            return None
         body = getattr(node, "body", [])
     return node
 
@@ -110,7 +141,8 @@ def fastai_sources(root: str | None = None) -> dict:
     root = root or _fastai_dir()
     out = {}
     for rel, names in REPLACED_SOURCES.items():
-        with open(os.path.join(root, rel), encoding="utf-8") as f: text = f.read()
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            text = f.read()
         tree = ast.parse(text)
         for name in names:
             node = _find(tree, name)

@@ -8,6 +8,7 @@ weights of an uninterrupted run.
 Data: scikit-learn's bundled handwritten digits (nothing is downloaded); scikit-learn comes with
 the `demo` extra: `pip install 'fastai-resume[demo]'`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,6 @@ import time
 def train(folder: str, slow_ms: float) -> None:
     "The user's script: the only fastai_resume lines are the import and the callback."
     import torch
-    from torch import nn
-    import fastai_resume
     from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
@@ -33,10 +32,15 @@ def train(folder: str, slow_ms: float) -> None:
     from fastai.metrics import accuracy
     from fastai.torch_core import set_seed
     from sklearn.datasets import load_digits
+    from torch import nn
+
+    import fastai_resume
 
     class Heartbeat(Callback):
         "Prints each batch (so the demo knows where to kill) and paces the run."
+
         order = 150
+
         def after_batch(self):
             if self.training:
                 print(f"@ epoch {self.epoch} batch {self.iter + 1}", flush=True)
@@ -45,12 +49,29 @@ def train(folder: str, slow_ms: float) -> None:
     set_seed(0)
     X, y = load_digits(return_X_y=True)
     items = list(zip(torch.tensor(X / 16.0, dtype=torch.float32).view(-1, 1, 8, 8), torch.tensor(y)))
-    dls = DataLoaders(DataLoader(items[:1500], bs=32, shuffle=True, drop_last=True),
-                      DataLoader(items[1500:], bs=128), device="cpu", path=folder)
-    model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-                          nn.Flatten(), nn.Dropout(0.2), nn.Linear(32 * 64, 10))
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=folder,
-                    cbs=[fastai_resume.AutoCheckpoint(every_iters=10, keep=2), Heartbeat()])
+    dls = DataLoaders(
+        DataLoader(items[:1500], bs=32, shuffle=True, drop_last=True),
+        DataLoader(items[1500:], bs=128),
+        device="cpu",
+        path=folder,
+    )
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Dropout(0.2),
+        nn.Linear(32 * 64, 10),
+    )
+    learn = Learner(
+        dls,
+        model,
+        loss_func=CrossEntropyLossFlat(),
+        metrics=accuracy,
+        path=folder,
+        cbs=[fastai_resume.AutoCheckpoint(every_iters=10, keep=2), Heartbeat()],
+    )
     with learn.no_bar():
         learn.fit_one_cycle(4, 3e-3)
     digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in learn.model.state_dict().values())).hexdigest()
@@ -72,15 +93,23 @@ def _final_hash(out: str) -> str:
 def story(base: str, slow_ms: float, kill_at=(2, 20)) -> int:
     t_all = time.perf_counter()
     ref_dir, run_dir = os.path.join(base, "uninterrupted"), os.path.join(base, "crashing")
-    for d in (ref_dir, run_dir): shutil.rmtree(d, ignore_errors=True)
+    for d in (ref_dir, run_dir):
+        shutil.rmtree(d, ignore_errors=True)
     print("1. The uninterrupted run, for comparison ...", flush=True)
     ref = subprocess.run(_script(ref_dir, 0), capture_output=True, text=True, env=_env())
-    if ref.returncode: sys.exit(ref.stdout + ref.stderr)
+    if ref.returncode:
+        sys.exit(ref.stdout + ref.stderr)
     print(f"   final weights sha256 {_final_hash(ref.stdout)[:16]}")
 
-    print(f"2. The same script with AutoCheckpoint, killed with SIGKILL at epoch {kill_at[0]}, batch {kill_at[1]} ...", flush=True)
-    p = subprocess.Popen(_script(run_dir, slow_ms), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    print(
+        f"2. The same script with AutoCheckpoint, killed with SIGKILL at epoch {kill_at[0]}, batch {kill_at[1]} ...",
+        flush=True,
+    )
+    p = subprocess.Popen(
+        _script(run_dir, slow_ms), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+    )
     marker = f"@ epoch {kill_at[0]} batch {kill_at[1]}"
+    assert p.stdout is not None
     for line in p.stdout:
         if line.strip() == marker:
             p.kill()
@@ -93,16 +122,22 @@ def story(base: str, slow_ms: float, kill_at=(2, 20)) -> int:
     print("3. The same script again: it finds the newest checkpoint and resumes ...", flush=True)
     t0 = time.perf_counter()
     again = subprocess.run(_script(run_dir, 0), capture_output=True, text=True, env=_env())
-    if again.returncode: sys.exit(again.stdout + again.stderr)
+    if again.returncode:
+        sys.exit(again.stdout + again.stderr)
     for line in again.stdout.splitlines():
-        if line.startswith(("fastai_resume:", "AutoCheckpoint:")): print("   " + line)
+        if line.startswith(("fastai_resume:", "AutoCheckpoint:")):
+            print("   " + line)
     first = next((l for l in again.stdout.splitlines() if l.startswith("@ ")), "")
-    print(f"   first batch trained after the restart: {first[2:]} (restart to the end: {time.perf_counter() - t0:.1f}s)")
+    print(
+        f"   first batch trained after the restart: {first[2:]} (restart to the end: {time.perf_counter() - t0:.1f}s)"
+    )
 
     h_ref, h_res = _final_hash(ref.stdout), _final_hash(again.stdout)
     same = h_ref == h_res
-    print(f"4. final weights sha256: uninterrupted {h_ref[:16]}  killed+resumed {h_res[:16]}  -> "
-          f"{'IDENTICAL' if same else 'DIFFERENT'}")
+    print(
+        f"4. final weights sha256: uninterrupted {h_ref[:16]}  killed+resumed {h_res[:16]}  -> "
+        f"{'IDENTICAL' if same else 'DIFFERENT'}"
+    )
     print(f"demo took {time.perf_counter() - t_all:.0f}s")
     return 0 if same else 1
 
@@ -112,7 +147,9 @@ def _require_sklearn() -> None:
     try:
         import sklearn.datasets  # noqa: F401
     except ImportError:
-        sys.exit("fastai_resume.demo needs scikit-learn (its bundled digits data set): pip install 'fastai-resume[demo]'")
+        sys.exit(
+            "fastai_resume.demo needs scikit-learn (its bundled digits data set): pip install 'fastai-resume[demo]'"
+        )
 
 
 def main(argv=None):

@@ -11,6 +11,7 @@ saves, or stops, at the same batch.
 Also makes fastai's `DistributedDL` work on the CPU (gloo): fastai broadcasts the epoch's index
 list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU here.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,8 +19,17 @@ import sys
 import torch
 import torch.distributed as D
 
-__all__ = ["active", "rank", "world", "gather", "broadcast", "agree_any",
-           "patch_distributed_dl", "unwrap_dl", "is_distributed_dl"]
+__all__ = [
+    "active",
+    "rank",
+    "world",
+    "gather",
+    "broadcast",
+    "agree_any",
+    "patch_distributed_dl",
+    "unwrap_dl",
+    "is_distributed_dl",
+]
 
 
 def active() -> bool:
@@ -27,8 +37,12 @@ def active() -> bool:
     return D.is_available() and D.is_initialized() and D.get_world_size() > 1
 
 
-def rank() -> int: return D.get_rank() if active() else 0
-def world() -> int: return D.get_world_size() if active() else 1
+def rank() -> int:
+    return D.get_rank() if active() else 0
+
+
+def world() -> int:
+    return D.get_world_size() if active() else 1
 
 
 _ctl: dict = {}
@@ -38,15 +52,18 @@ def _group():
     """The process group for this module's small control messages: the default group when it is
     gloo, else a gloo group over the same ranks (created once, collectively, on first use), so
     that no control message costs a CUDA synchronisation or GPU memory."""
-    if D.get_backend() == "gloo": return None
+    if D.get_backend() == "gloo":
+        return None
     world = D.group.WORLD
-    if _ctl.get("world") is not world: _ctl.update(world=world, group=D.new_group(backend="gloo"))
+    if _ctl.get("world") is not world:
+        _ctl.update(world=world, group=D.new_group(backend="gloo"))
     return _ctl["group"]
 
 
 def gather(obj) -> list | None:
     "Every rank's `obj`, in rank order, on rank 0 (None on the others). Collective."
-    if not active(): return [obj]
+    if not active():
+        return [obj]
     out = [None] * D.get_world_size() if D.get_rank() == 0 else None
     D.gather_object(obj, out, dst=0, group=_group())
     return out
@@ -54,7 +71,8 @@ def gather(obj) -> list | None:
 
 def broadcast(obj, src: int = 0):
     "Rank `src`'s `obj` on every rank. Collective."
-    if not active(): return obj
+    if not active():
+        return obj
     box = [obj]
     D.broadcast_object_list(box, src=src, group=_group())
     return box[0]
@@ -62,7 +80,8 @@ def broadcast(obj, src: int = 0):
 
 def agree_any(flags: int) -> int:
     "The bitwise OR of every rank's `flags` (bits 0-7; sent as 8 int32, 32 bytes). Collective."
-    if not active(): return flags
+    if not active():
+        return flags
     t = torch.tensor([(flags >> i) & 1 for i in range(8)], dtype=torch.int32)
     D.all_reduce(t, op=D.ReduceOp.MAX, group=_group())
     return sum(int(b) << i for i, b in enumerate(t.tolist()))
@@ -76,7 +95,8 @@ def is_distributed_dl(dl) -> bool:
 
 def unwrap_dl(dl):
     "The DataLoader that owns the shuffling RNG: fastai's `DistributedDL` wraps the user's one."
-    while is_distributed_dl(dl) and hasattr(dl, "dl"): dl = dl.dl
+    while is_distributed_dl(dl) and hasattr(dl, "dl"):
+        dl = dl.dl
     return dl
 
 
@@ -91,6 +111,8 @@ def _broadcast_idxs(self, t, src):
 def patch_distributed_dl() -> None:
     "Called at a fit's or validation's start under a process group: fix fastai's CUDA-only broadcast."
     mod = sys.modules.get("fastai.distributed")
-    if mod is None: return
+    if mod is None:
+        return
     ddl = mod.DistributedDL
-    if getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs": ddl._broadcast = _broadcast_idxs
+    if getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs":
+        ddl._broadcast = _broadcast_idxs

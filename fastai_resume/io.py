@@ -3,6 +3,7 @@
 This is the only module that talks to the C writer and reader; everything above it deals in
 plain trees (`state`), never in bytes.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,16 +26,51 @@ _TORCH, _NUMPY = 0, 1
 
 # The format's dtype codes (csrc/frk.h: frk_dtype). Never renumber.
 _TORCH_DTYPES = {
-    "bool": 0, "uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint16": 6,
-    "uint32": 7, "uint64": 8, "float16": 9, "bfloat16": 10, "float32": 11, "float64": 12,
-    "complex32": 13, "complex64": 14, "complex128": 15, "float8_e4m3fn": 16,
-    "float8_e5m2": 17, "float8_e4m3fnuz": 18, "float8_e5m2fnuz": 19, "float8_e8m0fnu": 20,
+    "bool": 0,
+    "uint8": 1,
+    "int8": 2,
+    "int16": 3,
+    "int32": 4,
+    "int64": 5,
+    "uint16": 6,
+    "uint32": 7,
+    "uint64": 8,
+    "float16": 9,
+    "bfloat16": 10,
+    "float32": 11,
+    "float64": 12,
+    "complex32": 13,
+    "complex64": 14,
+    "complex128": 15,
+    "float8_e4m3fn": 16,
+    "float8_e5m2": 17,
+    "float8_e4m3fnuz": 18,
+    "float8_e5m2fnuz": 19,
+    "float8_e8m0fnu": 20,
 }
 TORCH_CODE = {getattr(torch, n): c for n, c in _TORCH_DTYPES.items() if hasattr(torch, n)}
 TORCH_DTYPE = {c: d for d, c in TORCH_CODE.items()}
-NUMPY_CODE = {np.dtype(n): c for n, c in _TORCH_DTYPES.items()
-              if n in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32",
-                       "uint64", "float16", "float32", "float64", "complex64", "complex128")}
+NUMPY_CODE = {
+    np.dtype(n): c
+    for n, c in _TORCH_DTYPES.items()
+    if n
+    in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+}
 NUMPY_DTYPE = {c: d for d, c in NUMPY_CODE.items()}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -44,54 +80,72 @@ class _Encoder:
 
     def __init__(self, writer: _core.Writer):
         self.w = writer
-        self.blobs: dict = {}    # storage key -> blob index
+        self.blobs: dict = {}  # storage key -> blob index
         self.tensors: dict = {}  # id(tensor) -> tensor index
-        self.seen: list = []     # keeps tensors alive so their ids stay unique during the walk
+        self.seen: list = []  # keeps tensors alive so their ids stay unique during the walk
 
     def value(self, v: Any, path: str) -> None:
         w = self.w
-        if v is None: w.put_none()
-        elif v is True or v is False: w.put_bool(v)
+        if v is None:
+            w.put_none()
+        elif v is True or v is False:
+            w.put_bool(v)
         elif isinstance(v, int):
             if not _INT64[0] <= v <= _INT64[1]:
                 raise TypeError(f"{path or 'value'}: int {v} does not fit in 64 bits")
             w.put_int(v)
-        elif isinstance(v, float): w.put_float(v)
-        elif isinstance(v, str): w.put_str(v)
-        elif isinstance(v, (bytes, bytearray)): w.put_bytes(v)
-        elif isinstance(v, torch.Tensor): w.put_tensor(self.torch_tensor(v, path))
-        elif isinstance(v, np.ndarray): w.put_tensor(self.numpy_array(v, path))
+        elif isinstance(v, float):
+            w.put_float(v)
+        elif isinstance(v, str):
+            w.put_str(v)
+        elif isinstance(v, (bytes, bytearray)):
+            w.put_bytes(v)
+        elif isinstance(v, torch.Tensor):
+            w.put_tensor(self.torch_tensor(v, path))
+        elif isinstance(v, np.ndarray):
+            w.put_tensor(self.numpy_array(v, path))
         elif isinstance(v, dict):
             w.put_dict(len(v))
             for k, x in v.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    raise TypeError(f"{path or 'value'}: dict key {k!r} ({type(k).__name__}) is not "
-                                    "storable: keys must be str or int")
+                    raise TypeError(
+                        f"{path or 'value'}: dict key {k!r} ({type(k).__name__}) is not "
+                        "storable: keys must be str or int"
+                    )
                 self.value(k, path)
                 self.value(x, f"{path}[{k!r}]")
         elif isinstance(v, (list, tuple)):
             (w.put_tuple if isinstance(v, tuple) else w.put_list)(len(v))
-            for i, x in enumerate(v): self.value(x, f"{path}[{i}]")
+            for i, x in enumerate(v):
+                self.value(x, f"{path}[{i}]")
         else:
-            raise TypeError(f"{path or 'value'}: {type(v).__module__}.{type(v).__qualname__} is not "
-                            "storable (None, bool, int, float, str, bytes, list, tuple, dict, "
-                            "torch.Tensor and numpy.ndarray are)")
+            raise TypeError(
+                f"{path or 'value'}: {type(v).__module__}.{type(v).__qualname__} is not "
+                "storable (None, bool, int, float, str, bytes, list, tuple, dict, "
+                "torch.Tensor and numpy.ndarray are)"
+            )
 
     def torch_tensor(self, t: torch.Tensor, path: str) -> int:
-        if id(t) in self.tensors: return self.tensors[id(t)]
+        if id(t) in self.tensors:
+            return self.tensors[id(t)]
         if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
             raise TypeError(f"{path}: a {t.layout} tensor is not storable (dense tensors are)")
         code = TORCH_CODE.get(t.dtype)
-        if code is None: raise TypeError(f"{path}: tensor dtype {t.dtype} is not storable")
+        if code is None:
+            raise TypeError(f"{path}: tensor dtype {t.dtype} is not storable")
         src = t
         t = t.detach()
-        if t.is_conj(): t = t.resolve_conj()
-        if t.is_neg(): t = t.resolve_neg()
-        if t.device.type != "cpu": t = t.cpu()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if t.device.type != "cpu":
+            t = t.cpu()
         # The reader refuses a tensor that holds more bytes than its blob (so that a small file can
         # never become a huge allocation): store overlapping views (expand, stride 0) as copies.
         overlaps = t.numel() * t.element_size() > t.untyped_storage().nbytes()
-        if overlaps or any(s < 0 for s in t.stride()): t = t.contiguous()
+        if overlaps or any(s < 0 for s in t.stride()):
+            t = t.contiguous()
         st = t.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
         blob = self.blobs.get(key)
@@ -104,7 +158,8 @@ class _Encoder:
         return idx
 
     def numpy_array(self, a: np.ndarray, path: str) -> int:
-        if id(a) in self.tensors: return self.tensors[id(a)]
+        if id(a) in self.tensors:
+            return self.tensors[id(a)]
         code = NUMPY_CODE.get(a.dtype)
         if code is None or not a.dtype.isnative:
             raise TypeError(f"{path}: numpy dtype {a.dtype} is not storable")
@@ -141,7 +196,8 @@ def _decoder(mapping, reader):
     made: dict = {}
 
     def make(i: int) -> Any:
-        if i in made: return made[i]
+        if i in made:
+            return made[i]
         t: Any
         kind, code, b, off, sizes, strides = tensors[i]
         o, n, _ = blobs[b]
@@ -151,18 +207,27 @@ def _decoder(mapping, reader):
                 raise CheckpointError(f"tensor {i} has dtype code {code}, which this torch lacks")
             st = storages.get(b)
             if st is None:
-                st = storages[b] = (torch.frombuffer(mv[o:o + n], dtype=torch.uint8) if n
-                                    else torch.empty(0, dtype=torch.uint8)).untyped_storage()
+                st = storages[b] = (
+                    torch.frombuffer(mv[o : o + n], dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+                ).untyped_storage()
             t = torch.empty(0, dtype=dtype).set_(st, off, sizes, strides)
         else:
             dtype = NUMPY_DTYPE.get(code)
-            if dtype is None: raise CheckpointError(f"array {i} has dtype code {code}, not a NumPy dtype")
-            if n == 0 or 0 in sizes: t = np.empty(sizes, dtype=dtype)
+            if dtype is None:
+                raise CheckpointError(f"array {i} has dtype code {code}, not a NumPy dtype")
+            if n == 0 or 0 in sizes:
+                t = np.empty(sizes, dtype=dtype)
             else:
-                t = np.ndarray(sizes, dtype=dtype, buffer=mv[o:o + n], offset=off * dtype.itemsize,
-                               strides=tuple(s * dtype.itemsize for s in strides))
+                t = np.ndarray(
+                    sizes,
+                    dtype=dtype,
+                    buffer=mv[o : o + n],
+                    offset=off * dtype.itemsize,
+                    strides=tuple(s * dtype.itemsize for s in strides),
+                )
         made[i] = t
         return t
+
     return make
 
 
@@ -209,12 +274,18 @@ def info(path: PathLike, verify: bool = True) -> dict:
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
     tensors = r.tensors()  # the table once: info must stay linear in the tensor count
-    return {"version": r.version, "size": m.size, "blobs": r.blobs(), "tensors": tensors,
-            "tree": r.tree(lambda i: _TensorRef(i, tensors[i]))}
+    return {
+        "version": r.version,
+        "size": m.size,
+        "blobs": r.blobs(),
+        "tensors": tensors,
+        "tree": r.tree(lambda i: _TensorRef(i, tensors[i])),
+    }
 
 
 class _TensorRef:
     "A tensor's entry in the table, standing in for the tensor when only its description is wanted."
+
     def __init__(self, i, entry):
         self.index, (self.kind, self.code, self.blob, self.offset, self.shape, self.strides) = i, entry
 
@@ -222,4 +293,5 @@ class _TensorRef:
     def dtype(self):
         return (TORCH_DTYPE if self.kind == _TORCH else NUMPY_DTYPE).get(self.code, f"code {self.code}")
 
-    def __repr__(self): return f"<tensor {self.dtype} {list(self.shape)}>"
+    def __repr__(self):
+        return f"<tensor {self.dtype} {list(self.shape)}>"

@@ -19,6 +19,7 @@ With worker processes, a fastai `DataLoader` of a resumable fit seeds the worker
 batch from the epoch's worker seed and the batch's index (`BatchSeeder`), so the random item
 transforms of batch j do not depend on which worker made it or on how many batches were skipped.
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,8 +29,17 @@ import torch
 
 from .dist import is_distributed_dl, unwrap_dl
 
-__all__ = ["call_hook_first", "capture", "restore", "batch_size", "is_stream", "has_state", "skip_first", "BatchSeeder",
-           "StreamNotResumable"]
+__all__ = [
+    "call_hook_first",
+    "capture",
+    "restore",
+    "batch_size",
+    "is_stream",
+    "has_state",
+    "skip_first",
+    "BatchSeeder",
+    "StreamNotResumable",
+]
 
 
 class StreamNotResumable(ValueError):
@@ -58,7 +68,8 @@ def batch_size(dl) -> int | None:
 def is_stream(dl) -> bool:
     "Does `dl` read an iterator (no index list to cut)?"
     dl = unwrap_dl(dl)
-    if is_fastai(dl): return not dl.indexed
+    if is_fastai(dl):
+        return not dl.indexed
     return isinstance(getattr(dl, "dataset", None), torch.utils.data.IterableDataset)
 
 
@@ -68,7 +79,8 @@ def _stateful(obj) -> bool:
 
 def _state_owner(dl):
     "The object whose `state_dict()` describes where `dl` is: the loader itself, or its dataset."
-    if _stateful(dl) and not is_fastai(dl): return dl
+    if _stateful(dl) and not is_fastai(dl):
+        return dl
     ds = getattr(dl, "dataset", None)
     return ds if _stateful(ds) else None
 
@@ -77,7 +89,8 @@ def has_state(dl) -> bool:
     return _state_owner(unwrap_dl(dl)) is not None
 
 
-def _py_rng(s) -> Any: return (s[0], tuple(s[1]), s[2])
+def _py_rng(s) -> Any:
+    return (s[0], tuple(s[1]), s[2])
 
 
 def _order_list(dl):
@@ -95,10 +108,11 @@ def _order(dl):
 
 def _generators(dl) -> list:
     "The torch generators that decide a PyTorch loader's order (its own, its samplers')."
-    out = []
+    out: list = []
     for owner in (dl, getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None)):
         g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not o for o in out): out.append(g)
+        if isinstance(g, torch.Generator) and all(g is not o for o in out):
+            out.append(g)
     return out
 
 
@@ -109,11 +123,13 @@ def capture(dl) -> dict:
     if is_fastai(dl):
         st["rng"] = _py_rng(dl.rng.getstate())
         order = _order(dl)
-        if order is not None: st["order"] = order
+        if order is not None:
+            st["order"] = order
     elif is_torch(dl):
         st["generators"] = [g.get_state() for g in _generators(dl)]
     owner = _state_owner(dl)
-    if owner is not None and is_stream(dl): st["state"] = owner.state_dict()
+    if owner is not None and is_stream(dl):
+        st["state"] = owner.state_dict()
     return st
 
 
@@ -125,16 +141,20 @@ def restore(dl, st: dict, with_stream_state: bool = True) -> None:
         dl.rng.setstate((s[0], tuple(s[1]), s[2]))
     if "order" in st and _order_list(dl) is not None:
         _order_list(dl)[:] = st["order"]
-        if hasattr(dl, "make_chunks"): dl.make_chunks()
+        if hasattr(dl, "make_chunks"):
+            dl.make_chunks()
     if "generators" in st:
-        for g, s in zip(_generators(dl), st["generators"]): g.set_state(s.clone())
+        for g, s in zip(_generators(dl), st["generators"]):
+            g.set_state(s.clone())
     if with_stream_state and "state" in st:
         owner = _state_owner(dl)
-        if owner is not None: owner.load_state_dict(st["state"])
+        if owner is not None:
+            owner.load_state_dict(st["state"])
 
 
 class _SkippedIdxs(list):
     "The index list of a resumed epoch minus the batches already trained; calls a hook when first iterated."
+
     def __init__(self, items, on_first_iter):
         super().__init__(items)
         self._hook = on_first_iter
@@ -145,12 +165,15 @@ class _SkippedIdxs(list):
             hook()
         return super().__iter__()
 
-    def __reduce__(self): return (list, (list(self),))  # workers get a plain list
+    def __reduce__(self):
+        return (list, (list(self),))  # workers get a plain list
 
 
 class _HookedIter:
     "An iterable that calls a hook when first iterated."
-    def __init__(self, it, hook): self.it, self.hook = it, hook
+
+    def __init__(self, it, hook):
+        self.it, self.hook = it, hook
 
     def __iter__(self):
         if self.hook is not None:
@@ -161,16 +184,19 @@ class _HookedIter:
 
 class _SkipBatchSampler:
     "A PyTorch batch sampler whose next iteration drops its first k index lists (indices only)."
+
     def __init__(self, inner, k, on_skipped, put_back):
         self.inner, self.k, self.on_skipped, self.put_back = inner, k, on_skipped, put_back
 
-    def __len__(self): return len(self.inner)
+    def __len__(self):
+        return len(self.inner)
 
     def __iter__(self):  # a generator: like the samplers it wraps, it draws nothing before the first batch
         self.put_back()
         it = iter(self.inner)
         for _ in range(self.k):
-            if next(it, None) is None: break
+            if next(it, None) is None:
+                break
         self.on_skipped()
         yield from it
 
@@ -194,42 +220,55 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
                     "(or use a loader with) state_dict()/load_state_dict() (torchdata's StatefulDataLoader, or "
                     "your own two methods), and the resume is exact without re-reading; or load with "
                     "fast_forward=True (learn.load(..., fast_forward=True) / AutoCheckpoint(fast_forward=True)) to "
-                    "read and discard the skipped batches; or fit with start_iter=0 to restart the epoch.")
+                    "read and discard the skipped batches; or fit with start_iter=0 to restart the epoch."
+                )
             return "fast-forward"
         cut, how = 0, "stream state"
     if is_fastai(dl):
         get_idxs = dl.get_idxs
-        bs = dl.bs or 1
+        bs, n_iter = dl.bs or 1, len(dl)
 
         def skipped_idxs():
             del dl.get_idxs  # one epoch only: back to the class's method
-            if is_distributed_dl(dl): dl.i = cut * bs  # its count of this rank's items
+            if is_distributed_dl(dl):
+                dl.i = cut * bs  # its count of this rank's items
             idxs = get_idxs()
-            if not isinstance(idxs, list): return _HookedIter(idxs, on_skipped)  # a stream of unknown length
-            return _SkippedIdxs(idxs[cut * bs:] if cut else idxs, on_skipped)
+            if not isinstance(idxs, list):
+                return _HookedIter(idxs, on_skipped)  # a stream of unknown length
+            # (training done: not even the partial batch drop_last discards, whose items would draw RNG)
+            return _SkippedIdxs((idxs[cut * bs :] if cut < n_iter else []) if cut else idxs, on_skipped)
+
         dl.get_idxs = skipped_idxs
         return how
     if is_torch(dl):
         if dl.batch_sampler is None:
-            raise ValueError(f"cannot resume {where}mid-epoch: this PyTorch DataLoader has no batch sampler "
-                             "(batch_size=None); fit with start_iter=0 to restart the epoch")
+            raise ValueError(
+                f"cannot resume {where}mid-epoch: this PyTorch DataLoader has no batch sampler "
+                "(batch_size=None); fit with start_iter=0 to restart the epoch"
+            )
         inner = dl.batch_sampler
 
-        def put_back(): object.__setattr__(dl, "batch_sampler", inner)
+        def put_back():
+            object.__setattr__(dl, "batch_sampler", inner)
+
         object.__setattr__(dl, "batch_sampler", _SkipBatchSampler(inner, cut, on_skipped, put_back))
         return how
-    raise ValueError(f"cannot resume {where}mid-epoch: {type(dl).__name__} is neither a fastai nor a PyTorch "
-                     "DataLoader; fit with start_iter=0 to restart the epoch")
+    raise ValueError(
+        f"cannot resume {where}mid-epoch: {type(dl).__name__} is neither a fastai nor a PyTorch "
+        "DataLoader; fit with start_iter=0 to restart the epoch"
+    )
 
 
 def call_hook_first(f, hook, put_back):
     """`f`, callable once more with `hook()` run before it (then `put_back(f)`). A fastai `Pipeline`
     stays a `Pipeline` sharing its attributes (the loader's `before_iter` sets its `split_idx`)."""
     if type(f).__name__ != "Pipeline" or not hasattr(f, "__dict__"):
+
         def first(*args, **kwargs):
             put_back(f)
             hook()
             return f(*args, **kwargs)
+
         return first
 
     class First(type(f)):
@@ -237,6 +276,7 @@ def call_hook_first(f, hook, put_back):
             put_back(f)
             hook()
             return f(*args, **kwargs)
+
     g = object.__new__(First)
     g.__dict__ = f.__dict__  # one set of attributes for both
     return g
@@ -246,6 +286,7 @@ class BatchSeeder:
     """`do_item` of a fastai DataLoader in worker processes: before the first item of each batch, seed
     Python's, NumPy's and torch's RNG from the epoch's worker seed and the batch's index in the epoch,
     so what a random item transform draws for batch j does not depend on the worker or on a skip."""
+
     def __init__(self, do_item, bs: int, first: int):
         self.do_item, self.bs, self.first, self.n = do_item, bs, first, 0
 
@@ -256,6 +297,7 @@ class BatchSeeder:
             j = self.first + d.offs + (self.n // self.bs) * d.num_workers
             base = info.seed - info.id
             from fastai.torch_core import set_seed
+
             set_seed((base * 0x9E3779B1 + j * 0x85EBCA77 + 0x165667B1) % (1 << 32))
         self.n += 1
         return self.do_item(s)

@@ -6,6 +6,7 @@ current directory, as `Path('.')`, fastai's default, is) or absolute, str or `Pa
 `resolve`, which also expand `~` and return absolute paths: an absolute path handed back to
 `learn.load` is never joined onto the folder a second time.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,6 +43,7 @@ def load_candidates(learn, file) -> list:
     those that exist, newest first. The format of each is told later by its magic bytes."""
     base = resolve(learn, file)
     cands = [base.with_name(base.name + EXT), base.with_name(base.name + ".pth")]
-    if base.suffix in (EXT, ".pth"): cands.append(base)
+    if base.suffix in (EXT, ".pth"):
+        cands.append(base)
     found = {c for c in cands if c.is_file()}
     return sorted(found, key=lambda c: c.stat().st_mtime_ns, reverse=True)

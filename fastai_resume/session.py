@@ -11,6 +11,7 @@ the Learner (an exported or pickled Learner carries none of it). `ResumeSession`
 fit: it tracks the position for `save(with_iter=True)`, captures the training state, and, when a resume
 is armed, restores it and skips the finished work, with the decisions made by `_core.SkipToIter`.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -30,8 +31,18 @@ from .io import CheckpointError
 
 __all__ = ["Script", "Armed", "Stage", "FitPlan", "ResumeSession", "script", "session_of", "InBatchSave"]
 
-_IN_BATCH = {"before_batch", "after_pred", "after_loss", "before_backward", "after_backward", "before_step",
-             "after_step", "after_cancel_step", "after_cancel_backward", "after_cancel_batch"}
+_IN_BATCH = {
+    "before_batch",
+    "after_pred",
+    "after_loss",
+    "before_backward",
+    "after_backward",
+    "before_step",
+    "after_step",
+    "after_cancel_step",
+    "after_cancel_backward",
+    "after_cancel_batch",
+}
 
 
 class InBatchSave(ValueError):
@@ -41,13 +52,15 @@ class InBatchSave(ValueError):
 @dataclass
 class Armed:
     "A resume armed by `learn.load` of a checkpoint saved mid-fit; the next matching fit consumes it."
+
     train: dict
     path: Path
     opt: dict | None
     fast_forward: bool = False
 
     @property
-    def position(self) -> dict: return self.train["position"]
+    def position(self) -> dict:
+        return self.train["position"]
 
 
 @dataclass
@@ -59,6 +72,7 @@ class Interrupted:
 
 class Script:
     "What fastai_resume knows about one Learner's training script (kept outside the Learner)."
+
     def __init__(self):
         self.armed: Armed | None = None
         self.signatures: list = []  # of the stages finished in this process
@@ -68,16 +82,18 @@ class Script:
         self.interrupted: Interrupted | None = None
 
     def disarm(self, why: str | None = None) -> None:
-        if self.armed is not None and why: print(f"fastai_resume: {why}: the resume armed from {self.armed.path} is cancelled")
+        if self.armed is not None and why:
+            print(f"fastai_resume: {why}: the resume armed from {self.armed.path} is cancelled")
         self.armed = None
 
 
-_scripts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def script(learn) -> Script:
     s = _scripts.get(learn)
-    if s is None: s = _scripts[learn] = Script()
+    if s is None:
+        s = _scripts[learn] = Script()
     return s
 
 
@@ -87,9 +103,12 @@ def session_of(learn):
 
 
 def _arg_repr(v) -> str:
-    if isinstance(v, np.ndarray): return np.array2string(v, threshold=sys.maxsize, floatmode="unique")
-    if isinstance(v, (list, tuple)): return "[" + ", ".join(_arg_repr(x) for x in v) + "]"
-    if isinstance(v, dict): return "{" + ", ".join(f"{k}: {_arg_repr(x)}" for k, x in sorted(v.items())) + "}"
+    if isinstance(v, np.ndarray):
+        return np.array2string(v, threshold=sys.maxsize, floatmode="unique")
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_arg_repr(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_arg_repr(x)}" for k, x in sorted(v.items())) + "}"
     return repr(v)
 
 
@@ -103,60 +122,78 @@ def _trainable(learn) -> str:
 
 class Stage:
     "One top-level training call of the script, the `index`-th."
-    def __init__(self, learn, index: int, method: str, bound: inspect.BoundArguments, start_epoch=0, start_iter=None,
-                 resume=True):
+
+    def __init__(
+        self, learn, index: int, method: str, bound: inspect.BoundArguments, start_epoch=0, start_iter=None, resume=True
+    ):
         self.learn, self.index, self.method = learn, index, method
         args = {k: v for k, v in bound.arguments.items() if k not in _NOT_SIGNATURE}
         if isinstance(args.get("kwargs"), dict):
             args["kwargs"] = {k: v for k, v in args["kwargs"].items() if k not in _NOT_SIGNATURE}
-        self.signature = {"method": method, "args": {k: _arg_repr(v) for k, v in args.items()},
-                          "trainable": _trainable(learn)}
+        self.signature: dict = {
+            "method": method,
+            "args": {k: _arg_repr(v) for k, v in args.items()},
+            "trainable": _trainable(learn),
+        }
         self.start_epoch, self.start_iter, self.resume = start_epoch, start_iter, resume
         self.fits = 0  # fits started in this stage
+        self.extra_cbs: list = []  # the call's own callbacks (`cbs=`), which may hold an AutoCheckpoint
         self.skip_all = False  # finished before the armed checkpoint was saved
         self.rng_start = state.rng_state()
 
     @property
-    def explicit(self) -> bool: return bool(self.start_epoch) or self.start_iter is not None
+    def explicit(self) -> bool:
+        return bool(self.start_epoch) or self.start_iter is not None
 
     def begin(self, sc: Script) -> None:
         "Autoresume, then check the armed checkpoint against this stage: skip it, resume in it, or refuse."
         learn = self.learn
         if os.environ.get(check.ENV) == "resume" and self.index == 0 and sc.armed is None:
             learn.load(check.CKPT)  # `fastai-resume check`: the resumed run
-            sc.armed.path.unlink()
-        for c in list(learn.cbs) + list(getattr(self, "extra_cbs", [])):
+            if sc.armed is not None:
+                sc.armed.path.unlink()
+        for c in list(learn.cbs) + list(self.extra_cbs):
             if hasattr(c, "arm_resume"):  # AutoCheckpoint: its run, its lock, and autoresume
                 c.learn = learn
                 c.arm_resume(self)
         if sc.interrupted is not None and sc.armed is None and self.index == sc.interrupted.stage:
             i = sc.interrupted
-            print(f"fastai_resume: the previous attempt at stage {i.stage} was interrupted at epoch {i.epoch}, "
-                  f"iteration {i.iter}; this fit starts the stage again from the model's current (partly trained) "
-                  "weights, which is not an exact continuation. To continue exactly, learn.load a checkpoint saved "
-                  "before the interruption (AutoCheckpoint does this by itself).")
+            print(
+                f"fastai_resume: the previous attempt at stage {i.stage} was interrupted at epoch {i.epoch}, "
+                f"iteration {i.iter}; this fit starts the stage again from the model's current (partly trained) "
+                "weights, which is not an exact continuation. To continue exactly, learn.load a checkpoint saved "
+                "before the interruption (AutoCheckpoint does this by itself)."
+            )
         sc.interrupted = None
         a = sc.armed if self.resume else None
-        if a is None or self.explicit: return
+        if a is None or self.explicit:
+            return
         pos, saved_stages = a.position, a.train["stages"]
         if self.index > pos["stage"]:
             raise ValueError(
                 f"the checkpoint {a.path} was saved in stage {pos['stage']} ({saved_stages[-1]['method']}) of its "
                 f"script, but this process has already finished {self.index} stage(s): load it before stage "
                 f"{pos['stage']} runs (at the top of the script), or pass start_epoch/start_iter to apply it to this "
-                "call anyway, or resume=False to start over.")
+                "call anyway, or resume=False to start over."
+            )
         want, now = saved_stages[self.index], self.signature
         diffs = [f"{k} {want[k]} -> {now[k]}" for k in ("method", "trainable") if want[k] != now[k]]
-        diffs += [f"{k} {want['args'].get(k, '(none)')} -> {now['args'].get(k, '(none)')}"
-                  for k in sorted(set(want["args"]) | set(now["args"])) if want["args"].get(k) != now["args"].get(k)]
+        diffs += [
+            f"{k} {want['args'].get(k, '(none)')} -> {now['args'].get(k, '(none)')}"
+            for k in sorted(set(want["args"]) | set(now["args"]))
+            if want["args"].get(k) != now["args"].get(k)
+        ]
         if diffs:
             raise ValueError(
                 f"stage {self.index} of this script differs from stage {self.index} of the script that saved {a.path} "
                 f"({'; '.join(diffs)}), so resuming would not give the uninterrupted run's result. Run the script "
-                "as it was, or pass start_epoch/start_iter to resume anyway, or resume=False to start over.")
+                "as it was, or pass start_epoch/start_iter to resume anyway, or resume=False to start over."
+            )
         if self.index < pos["stage"]:
             self.skip_all = True
-            print(f"fastai_resume: skipping stage {self.index} ({self.method}), finished before {a.path.name} was saved")
+            print(
+                f"fastai_resume: skipping stage {self.index} ({self.method}), finished before {a.path.name} was saved"
+            )
         else:
             state.set_rng_state(a.train["rng_stage"])  # where the uninterrupted run was when this stage began
 
@@ -180,15 +217,18 @@ def stage_call(learn, method: str, bound, start_epoch=0, start_iter=None, resume
         ok = True
     finally:
         sc.stage = None
-        if ok: sc.signatures.append(st.signature)
-        else: _after_interrupt(learn, sc, st)
+        if ok:
+            sc.signatures.append(st.signature)
+        else:
+            _after_interrupt(learn, sc, st)
 
 
 def _after_interrupt(learn, sc: Script, st: Stage) -> None:
     "fastai runs no `after_fit` when a fit ends in an exception: release what callbacks hold for a fit."
     sc.session, sc.fit_depth = None, 0
-    for c in list(learn.cbs) + list(getattr(st, "extra_cbs", [])):
-        if hasattr(c, "after_interrupted_fit"): c.after_interrupted_fit()
+    for c in list(learn.cbs) + list(st.extra_cbs):
+        if hasattr(c, "after_interrupted_fit"):
+            c.after_interrupted_fit()
 
 
 def _csv_logger_class():
@@ -199,14 +239,16 @@ def _csv_logger_class():
 def _print_row(learn, row) -> None:
     "Show a finished epoch's row as fastai would, but write it to no CSV file (the file has it already)."
     logger, csv = learn.logger, _csv_logger_class()
-    while csv is not None and getattr(logger, "__func__", None) is csv._write_line: logger = logger.__self__.old_logger
+    while csv is not None and getattr(logger, "__func__", None) is csv._write_line:
+        logger = logger.__self__.old_logger
     logger(row)
 
 
 @dataclass
 class FitPlan:
     "What a fit of a stage does: skip to `target` and, from a checkpoint (`source`), restore `saved`."
-    stage: "Stage"
+
+    stage: Stage
     fit_index: int
     saved: dict | None = None
     target: tuple | None = None
@@ -219,31 +261,35 @@ class ResumeSession(Callback):
     """Added to every top-level fit. Tracks the training position for `save(with_iter=True)`; when a
     resume is armed, restores the saved training state and delegates the skipping to
     `_core.SkipToIter`. Runs after every other callback (so it restores what their `before_fit` reset)."""
+
     order = 200
 
-    def __init__(self, plan: "FitPlan"):
+    def __init__(self, plan: FitPlan):
         # (the fields are the plan's, not `__init__`'s arguments: fastai's W&B callback logs a callback's
         # `__init__` arguments as configuration, and the plan holds the Learner and whole tensors)
         self.stage, self.fit_index, self.saved, self.target = plan.stage, plan.fit_index, plan.saved, plan.target
         self.source, self.opt_state, self.fast_forward = plan.source, plan.opt_state, plan.fast_forward
         self.skip = _core.SkipToIter()
-        self.rows = []  # the printed row of every finished epoch
+        self.rows: list = []  # the printed row of every finished epoch
         self.rng_epoch = self.loaders_epoch = self.rng_valid = self.loaders_valid = None
-        self.frames = []  # the events in progress: [name, callbacks in order, index of the next one]
+        self.frames: list = []  # the events in progress: [name, callbacks in order, index of the next one]
         self.first_iter = 0
         self.resuming = False
         self.deferred = None
 
     # -- events ---------------------------------------------------------------------------------
     @property
-    def event(self): return self.frames[-1][0] if self.frames else None
+    def event(self):
+        return self.frames[-1][0] if self.frames else None
 
     def run_event(self, learn, event_name) -> None:
         "fastai's `Learner._call_one`, with the event's progress kept so a save can complete it first."
         frame = [event_name, learn.cbs.sorted("order"), 0]
         self.frames.append(frame)
-        try: self._run_rest(frame)
-        finally: self.frames.pop()
+        try:
+            self._run_rest(frame)
+        finally:
+            self.frames.pop()
 
     def _run_rest(self, frame):
         cbs = frame[1]
@@ -259,26 +305,34 @@ class ResumeSession(Callback):
         """Run the callbacks of the event in progress that have not run yet (a save from `after_batch` or
         `after_epoch` by a callback that comes before the Recorder sees the batch or epoch as finished,
         whatever its order). Returns the exception one of them raised (re-raised after the save)."""
-        if not self.frames: return None
+        if not self.frames:
+            return None
         frame = self.frames[-1]
-        if not frame[0].startswith("after_") or frame[0] == "after_fit": return None
-        try: self._run_rest(frame)
-        except BaseException as e: return e
+        if not frame[0].startswith("after_") or frame[0] == "after_fit":
+            return None
+        try:
+            self._run_rest(frame)
+        except BaseException as e:
+            return e
         return None
 
     # -- resuming -------------------------------------------------------------------------------
     def before_fit(self):
         self.t0 = time.perf_counter()
-        if self.saved is not None: self._warm_dls()  # only before a restore: a fresh fit draws as fastai does
-        for dl in self.dls.loaders: self._seed_workers(dl)
+        if self.saved is not None:
+            self._warm_dls()  # only before a restore: a fresh fit draws as fastai does
+        for dl in self.dls.loaders:
+            self._seed_workers(dl)
         csv = _csv_logger_class()
         for cb in self.learn.cbs:
             if csv is not None and isinstance(cb, csv) and getattr(cb, "file", None) is not None:
                 cb.resume_file_start = self._csv_start(cb)
-        if self.target is None: return
+        if self.target is None:
+            return
         epoch, it = self.target
         self.skip.arm(epoch, it, self.n_epoch, len(self.dls.train))
-        if self.saved is None: return  # a bare start_epoch / start_iter: skip, restore nothing
+        if self.saved is None:
+            return  # a bare start_epoch / start_iter: skip, restore nothing
         sv = self.saved = _rank_view(self.saved)
         if self.opt_state is not None:  # again: a wrapper may have cleared it (fine_tune's freeze)
             self.opt.load_state_dict(self.opt_state)
@@ -287,22 +341,30 @@ class ResumeSession(Callback):
                 p.grad = None if g is None else g.to(p.device, copy=True)
         hypers = sv["hypers"]
         if hypers and len(hypers) != len(self.opt.hypers):
-            raise CheckpointError(f"{self.source}: {len(hypers)} parameter groups saved, the optimizer has "
-                                  f"{len(self.opt.hypers)}")
-        for k in (hypers[0] if hypers else {}):  # fit() has just reset the learning rate and weight decay
+            raise CheckpointError(
+                f"{self.source}: {len(hypers)} parameter groups saved, the optimizer has {len(self.opt.hypers)}"
+            )
+        for k in hypers[0] if hypers else {}:  # fit() has just reset the learning rate and weight decay
             self.opt.set_hyper(k, [h[k] for h in hypers])
-        if sv["recorder"] is not None: state.set_recorder_state(self.learn, sv["recorder"])
+        if sv["recorder"] is not None:
+            state.set_recorder_state(self.learn, sv["recorder"])
         state.set_callback_states(self.learn, sv["callbacks"])
         self.rows = [list(r) for r in sv["rows"]]
 
     def _warm_dls(self):
         "Compute what fastai computes lazily with the RNG on first use (TfmdDL's `_one_pass`), before any restore."
         for dl in self.dls.loaders:
-            try: getattr(dl, "n_inp", None)
-            except Exception: pass
+            try:
+                getattr(dl, "n_inp", None)
+            except Exception:
+                pass
 
     def _seed_workers(self, dl):
-        if loaders.is_fastai(dl) and dl.num_workers > 0 and not isinstance(dl.__dict__.get("do_item"), loaders.BatchSeeder):
+        if (
+            loaders.is_fastai(dl)
+            and dl.num_workers > 0
+            and not isinstance(dl.__dict__.get("do_item"), loaders.BatchSeeder)
+        ):
             dl.do_item = loaders.BatchSeeder(type(dl).do_item.__get__(dl), dl.bs or 1, 0)
 
     @staticmethod
@@ -316,8 +378,10 @@ class ResumeSession(Callback):
         action, self.rng_action, self.first_iter = self.skip.before_epoch(epoch)
         if action == _core.STEP_SKIP:
             mbar = getattr(getattr(self.learn, "progress", None), "mbar", None)
-            if mbar is not None: mbar.update(epoch)  # fastprogress wants every epoch counted
-            if epoch < len(self.rows): _print_row(self.learn, self.rows[epoch])
+            if mbar is not None:
+                mbar.update(epoch)  # fastprogress wants every epoch counted
+            if epoch < len(self.rows):
+                _print_row(self.learn, self.rows[epoch])
             return True
         self.resuming = action == _core.STEP_RESUME
         return False
@@ -337,7 +401,8 @@ class ResumeSession(Callback):
     def before_validate(self):
         for dl in self.dls.loaders:
             do_item = dl.__dict__.get("do_item") if loaders.is_fastai(dl) else None
-            if isinstance(do_item, loaders.BatchSeeder) and dl is not self.dls.train: do_item.first, do_item.n = 0, 0
+            if isinstance(do_item, loaders.BatchSeeder) and dl is not self.dls.train:
+                do_item.first, do_item.n = 0, 0
         self.rng_valid = state.rng_state()
         self.loaders_valid = [loaders.capture(dl) for dl in self.dls.loaders]
 
@@ -356,42 +421,58 @@ class ResumeSession(Callback):
             learn.train_iter = self.epoch * n_iter + k
             learn.pct_train = (self.epoch * n_iter + k) / (n_iter * n_epoch)
         how = ""
-        if sv is not None and k and sv.get("modules"): state.set_module_states(learn.model, sv["modules"])
-        if sv is not None and k and sv["recorder"] is not None: state.set_train_metrics(learn, sv["recorder"])
+        if sv is not None and k and sv.get("modules"):
+            state.set_module_states(learn.model, sv["modules"])
+        if sv is not None and k and sv["recorder"] is not None:
+            state.set_train_metrics(learn, sv["recorder"])
         if k:
             if sv is not None and loaders.is_stream(self.dls.train) and loaders.has_state(self.dls.train):
                 loaders.restore(self.dls.train, sv["loaders_now"][0])  # the stream continues from where it was
-            how = loaders.skip_first(self.dls.train, k, self._restore_saved_rng, self.fast_forward,
-                                     f"at epoch {self.epoch}, iteration {k} " if sv is None else f"from {self.source} ")
+            how = loaders.skip_first(
+                self.dls.train,
+                k,
+                self._restore_saved_rng,
+                self.fast_forward,
+                f"at epoch {self.epoch}, iteration {k} " if sv is None else f"from {self.source} ",
+            )
             self._guard_after_batch()
         pbar = getattr(getattr(learn, "progress", None), "pbar", None)
-        if pbar is not None and k: pbar.update(k)
+        if pbar is not None and k:
+            pbar.update(k)
         where = f"{self.source} " if self.source else ""
-        print(f"fastai_resume: resuming {where}at epoch {self.epoch}, iteration {k}/{n_iter} "
-              f"(skip took {time.perf_counter() - self.t0:.3f}s{', ' + how if how else ''})")
+        print(
+            f"fastai_resume: resuming {where}at epoch {self.epoch}, iteration {k}/{n_iter} "
+            f"(skip took {time.perf_counter() - self.t0:.3f}s{', ' + how if how else ''})"
+        )
         self.fast_forwarding = k if how == "fast-forward" else 0
 
     def _restore_loaders(self, states, with_stream_state=True):
-        for dl, st in zip(self.dls.loaders, states): loaders.restore(dl, st, with_stream_state)
+        for dl, st in zip(self.dls.loaders, states):
+            loaders.restore(dl, st, with_stream_state)
 
     def _guard_after_batch(self):
         """With worker processes the skipped part is behind the main process once the loader hands over
         its first batch: restore the saved RNG before that batch's `after_batch` transforms run."""
         dl = self.dls.train
-        if not loaders.is_fastai(dl): return
-        dl.after_batch = loaders.call_hook_first(dl.after_batch, self._restore_saved_rng,
-                                                 lambda orig: setattr(dl, "after_batch", orig))
+        if not loaders.is_fastai(dl):
+            return
+        dl.after_batch = loaders.call_hook_first(
+            dl.after_batch, self._restore_saved_rng, lambda orig: setattr(dl, "after_batch", orig)
+        )
 
     def _restore_saved_rng(self):
-        if self.skip.take_rng() and self.saved is not None: state.set_rng_state(_saved_rng(self.saved))
+        if self.skip.take_rng() and self.saved is not None:
+            state.set_rng_state(_saved_rng(self.saved))
 
     def batch_fetched(self):
         "Called by `all_batches` once a batch is in hand (a loader with no earlier hook)."
-        if self.skip.pending: self._restore_saved_rng()
+        if self.skip.pending:
+            self._restore_saved_rng()
 
     def after_train(self):
         self.first_iter = 0
-        if self.skip.pending: self._restore_saved_rng()  # nothing was left to train
+        if self.skip.pending:
+            self._restore_saved_rng()  # nothing was left to train
 
     def after_epoch(self):
         rec = getattr(self.learn, "recorder", None)
@@ -400,30 +481,40 @@ class ResumeSession(Callback):
 
     def end_of_epochs(self):
         "Called by `Learner._do_fit` after the last epoch: a fit resumed at its very end gets the saved RNG now."
-        if self.skip.pending: self._restore_saved_rng()
+        if self.skip.pending:
+            self._restore_saved_rng()
 
     # -- saving ---------------------------------------------------------------------------------
     def position(self):
         "Where training is now, as `(epoch, iter)` with iter = training batches done, or None."
         learn, ev = self.learn, self.event
         n_iter = len(self.dls.train)
-        if ev in (None, "before_fit", "after_fit", "after_cancel_fit"): return None
-        if ev == "before_epoch": return self.epoch, 0
-        if ev in ("after_epoch", "after_cancel_epoch"): return self.epoch + 1, 0
-        if ev == "before_train": return self.epoch, self.first_iter
-        if learn.training and ev == "after_batch": return self.epoch, learn.iter + 1
+        if ev in (None, "before_fit", "after_fit", "after_cancel_fit"):
+            return None
+        if ev == "before_epoch":
+            return self.epoch, 0
+        if ev in ("after_epoch", "after_cancel_epoch"):
+            return self.epoch + 1, 0
+        if ev == "before_train":
+            return self.epoch, self.first_iter
+        if learn.training and ev == "after_batch":
+            return self.epoch, learn.iter + 1
         if learn.training and ev in _IN_BATCH:
-            raise InBatchSave(f"save(with_iter=True) from {ev} is inside training batch {learn.iter}, where no "
-                              "position is exact (the batch has partly run): save from after_batch (the batch "
-                              "counts as done), before_epoch or after_epoch")
+            raise InBatchSave(
+                f"save(with_iter=True) from {ev} is inside training batch {learn.iter}, where no "
+                "position is exact (the batch has partly run): save from after_batch (the batch "
+                "counts as done), before_epoch or after_epoch"
+            )
         return self.epoch, n_iter  # training done; validation reruns on resume
 
     def capture(self) -> dict | None:
         learn = self.learn
         pos = self.position()  # before completing the event: a save from inside a batch is refused first
-        if pos is not None and self.deferred is None: self.deferred = self.complete_event()
+        if pos is not None and self.deferred is None:
+            self.deferred = self.complete_event()
         pos = self.position()
-        if pos is None: return None
+        if pos is None:
+            return None
         epoch, it = pos
         rec = getattr(learn, "recorder", None)
         rows = list(self.rows)
@@ -442,15 +533,25 @@ class ResumeSession(Callback):
             "modules": state.module_states(learn.model),
         }
         ranks = dist.gather(mine) if dist.active() else None  # collective: on every rank
-        if dist.rank() != 0: return None  # rank 0 writes
+        if dist.rank() != 0:
+            return None  # rank 0 writes
         sc = script(learn)
         st = self.stage
         return {
-            "position": {"epoch": epoch, "iter": it, "n_epoch": self.n_epoch, "n_iter": len(self.dls.train),
-                         "bs": loaders.batch_size(self.dls.train), "fit_index": self.fit_index, "stage": st.index,
-                         "train_iter": learn.train_iter, "pct_train": float(learn.pct_train),
-                         "world_size": dist.world(), "n_iter_all": len(dist.unwrap_dl(self.dls.train))},
-            "stages": list(sc.signatures[:st.index]) + [st.signature],
+            "position": {
+                "epoch": epoch,
+                "iter": it,
+                "n_epoch": self.n_epoch,
+                "n_iter": len(self.dls.train),
+                "bs": loaders.batch_size(self.dls.train),
+                "fit_index": self.fit_index,
+                "stage": st.index,
+                "train_iter": learn.train_iter,
+                "pct_train": float(learn.pct_train),
+                "world_size": dist.world(),
+                "n_iter_all": len(dist.unwrap_dl(self.dls.train)),
+            },
+            "stages": list(sc.signatures[: st.index]) + [st.signature],
             "rng_stage": st.rng_start,
             **mine,
             "ranks": None if ranks is None else [None] + ranks[1:],  # rank 0's are the fields above
@@ -470,7 +571,8 @@ def _rank_view(saved: dict) -> dict:
     """The saved training state as this rank sees it: its own RNG, loader and Recorder state from
     `ranks` (`fit` uses no saved state at all when the world size differs)."""
     ranks = saved.get("ranks")
-    if not ranks or dist.rank() >= len(ranks): return saved
+    if not ranks or dist.rank() >= len(ranks):
+        return saved
     mine = ranks[dist.rank()]
     return saved if mine is None else {**saved, **mine}
 
@@ -478,5 +580,6 @@ def _rank_view(saved: dict) -> dict:
 def _pending_grads(model):
     "The parameters' gradients if any is non-zero (accumulation in progress), else None."
     grads = [p.grad for p in model.parameters()]
-    if not any(g is not None and bool(g.any()) for g in grads): return None
+    if not any(g is not None and bool(g.any()) for g in grads):
+        return None
     return [None if g is None else g.detach() for g in grads]

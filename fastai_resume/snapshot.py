@@ -7,6 +7,7 @@ for the same copy into memory already touched: the page faults of new allocation
 save because the previous copy was freed. `SnapshotPool` keeps the previous save's buffers and
 copies into them; a save's stall is then close to one memcpy of the state.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,8 @@ class SnapshotPool:
 
     def _free(self) -> dict:
         free: dict = {}
-        for key, buf in self._lent: free.setdefault(key, []).append(buf)
+        for key, buf in self._lent:
+            free.setdefault(key, []).append(buf)
         self._lent = []
         return free
 
@@ -65,24 +67,30 @@ class SnapshotPool:
 
         def copy_tensor(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
-            if t.is_conj() or t.is_neg(): t = t.resolve_conj().resolve_neg()  # bits a storage copy loses
+            if t.is_conj() or t.is_neg():
+                t = t.resolve_conj().resolve_neg()  # bits a storage copy loses
             st = t.untyped_storage()
             n = st.nbytes()
             skey = (t.device, st.data_ptr(), n)
             new = storages.get(skey, (None,))[0]
             if new is None:
                 pinned = t.device.type == "cuda"
-                new = take(("torch", pinned, n), lambda: torch.empty(n, dtype=torch.uint8, pin_memory=pinned).untyped_storage())
-                if t.device.type == "cpu": new.copy_(st)
+                new = take(
+                    ("torch", pinned, n), lambda: torch.empty(n, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+                )
+                if t.device.type == "cpu":
+                    new.copy_(st)
                 elif pinned:
                     new.copy_(st, non_blocking=True)
                     cuda.add(t.device)
-                else: new.copy_(st.cpu())
+                else:
+                    new.copy_(st.cpu())
                 storages[skey] = new, t
             return torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.shape, t.stride())
 
         def copy_array(a: np.ndarray) -> np.ndarray:
-            if a.dtype.hasobject: return a  # not storable: the encoder says so with its path
+            if a.dtype.hasobject:
+                return a  # not storable: the encoder says so with its path
             out = take(("numpy", a.dtype.str, a.shape), lambda: np.empty(a.shape, dtype=a.dtype))
             np.copyto(out, a)
             return out
@@ -90,15 +98,22 @@ class SnapshotPool:
         def walk(v):
             if isinstance(v, (torch.Tensor, np.ndarray)):
                 c = memo.get(id(v))
-                if c is None: c = memo[id(v)] = (copy_tensor if isinstance(v, torch.Tensor) else copy_array)(v), v
+                if c is None:
+                    c = memo[id(v)] = (copy_tensor if isinstance(v, torch.Tensor) else copy_array)(v), v
                 return c[0]  # (the original is kept in the memo so that its id stays unique)
-            if isinstance(v, dict): return {k: walk(x) for k, x in v.items()}
-            if isinstance(v, list): return [walk(x) for x in v]
-            if isinstance(v, tuple): return tuple(walk(x) for x in v)
-            if isinstance(v, bytearray): return bytes(v)
+            if isinstance(v, dict):
+                return {k: walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            if isinstance(v, tuple):
+                return tuple(walk(x) for x in v)
+            if isinstance(v, bytearray):
+                return bytes(v)
             return v
+
         out = walk(tree)
-        for dev in cuda: torch.cuda.synchronize(dev)
+        for dev in cuda:
+            torch.cuda.synchronize(dev)
         return out
 
 
@@ -121,23 +136,26 @@ class BackgroundCommit:
         pool = pool or SnapshotPool()
         self._writer = io.encode(pool.snapshot(tree))  # an unstorable value raises here, in this thread
         self._result = self._error = self.seconds = None
-        self._thread = threading.Thread(target=self._run, args=(os.fspath(path), fsync),
-                                        name="fastai_resume-commit")
+        self._thread = threading.Thread(target=self._run, args=(os.fspath(path), fsync), name="fastai_resume-commit")
         self._thread.start()
         pool.user = self
 
     def _run(self, path, fsync):
         t0 = time.perf_counter()
-        try: self._result = self._writer.commit(path, fsync=fsync)
-        except BaseException as e: self._error = e
+        try:
+            self._result = self._writer.commit(path, fsync=fsync)
+        except BaseException as e:
+            self._error = e
         finally:
             self._writer = None  # the snapshot's buffers are free once the bytes are on disk
             self.seconds = time.perf_counter() - t0
 
     @property
-    def done(self) -> bool: return not self._thread.is_alive()
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
-    def wait(self) -> int:
+    def wait(self) -> int | None:
         self._thread.join()
-        if self._error is not None: raise self._error
+        if self._error is not None:
+            raise self._error
         return self._result

@@ -5,6 +5,7 @@ from one: RNG states, DataLoader shuffling state, the Recorder, and the state of
 whose counters change the result (trackers, MixedPrecision's GradScaler, GradientAccumulation),
 plus any callback that offers the `resume_state` / `load_resume_state` hook.
 """
+
 from __future__ import annotations
 
 import gc
@@ -16,30 +17,47 @@ import torch
 
 from .io import CheckpointError
 
-
-__all__ = ["plain", "rng_state", "set_rng_state", "recorder_state", "set_recorder_state", "module_states",
-           "set_module_states",
-           "install_lazy_losses", "RecorderLosses", "callback_states", "set_callback_states", "cb_key"]
+__all__ = [
+    "plain",
+    "rng_state",
+    "set_rng_state",
+    "recorder_state",
+    "set_recorder_state",
+    "module_states",
+    "set_module_states",
+    "install_lazy_losses",
+    "RecorderLosses",
+    "callback_states",
+    "set_callback_states",
+    "cb_key",
+]
 
 
 def plain(v: Any) -> Any:
     "`v` with fastai/NumPy containers and scalars turned into the storable base types."
-    if isinstance(v, np.generic): return v.item()
-    if isinstance(v, dict): return {k: plain(x) for k, x in v.items()}
-    if isinstance(v, tuple): return tuple(plain(x) for x in v)
-    if isinstance(v, list) or type(v).__name__ == "L": return [plain(x) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, dict):
+        return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return tuple(plain(x) for x in v)
+    if isinstance(v, list) or type(v).__name__ == "L":
+        return [plain(x) for x in v]
     return v
 
 
-def _py_rng(s) -> Any: return (s[0], tuple(s[1]), s[2])
+def _py_rng(s) -> Any:
+    return (s[0], tuple(s[1]), s[2])
 
 
 def rng_state() -> dict:
     "The global RNG states: Python, NumPy, torch CPU and every CUDA device."
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    st = {"python": _py_rng(random.getstate()),
-          "numpy": (kind, keys, int(pos), int(has_gauss), float(gauss)),
-          "torch": torch.get_rng_state()}
+    st = {
+        "python": _py_rng(random.getstate()),
+        "numpy": (kind, keys, int(pos), int(has_gauss), float(gauss)),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = list(torch.cuda.get_rng_state_all())
     return st
@@ -59,9 +77,11 @@ def _unbind(t: torch.Tensor) -> list:
     was = gc.isenabled()
     gc.disable()
     try:
-        with torch.no_grad(): return list(t.unbind())
+        with torch.no_grad():
+            return list(t.unbind())
     finally:
-        if was: gc.enable()
+        if was:
+            gc.enable()
 
 
 class RecorderLosses:
@@ -71,12 +91,16 @@ class RecorderLosses:
     the full plain list of tensors, the same objects an uninterrupted run holds. Stored where
     fastai keeps it (`__dict__['losses']`, left out of pickles by `Recorder._stateattrs`, as before);
     the pending tensor lives in `_state`, which fastcore's `Stateful` never pickles either."""
+
     def __get__(self, rec, owner=None):
-        if rec is None: return self
+        if rec is None:
+            return self
         d = rec.__dict__
-        if "losses" not in d: raise AttributeError("losses")
+        if "losses" not in d:
+            raise AttributeError("losses")
         base = d.get("_state", {}).pop("frk_losses", None)
-        if base is not None: d["losses"][:0] = _unbind(base)
+        if base is not None:
+            d["losses"][:0] = _unbind(base)
         return d["losses"]
 
     def __set__(self, rec, v):
@@ -87,7 +111,9 @@ class RecorderLosses:
 def install_lazy_losses() -> None:
     "Make `Recorder.losses` a `RecorderLosses` (once; called by `import fastai_resume`)."
     from fastai.learner import Recorder
-    if not isinstance(Recorder.__dict__.get("losses"), RecorderLosses): Recorder.losses = RecorderLosses()
+
+    if not isinstance(Recorder.__dict__.get("losses"), RecorderLosses):
+        Recorder.losses = RecorderLosses()
 
 
 def recorder_state(rec) -> dict:
@@ -100,9 +126,15 @@ def recorder_state(rec) -> dict:
         losses = rec.losses
         if losses and all(isinstance(l, torch.Tensor) and l.dim() == 0 for l in losses):
             losses = torch.stack(losses)  # one blob, not one per batch
-    return {"lrs": plain(rec.lrs), "iters": plain(rec.iters), "losses": losses,
-            "values": plain(rec.values), "smooth_count": sm.count, "smooth_val": sm.val,
-            "train_metrics": [_metric_state(m) for m in _train_metrics(rec)]}
+    return {
+        "lrs": plain(rec.lrs),
+        "iters": plain(rec.iters),
+        "losses": losses,
+        "values": plain(rec.values),
+        "smooth_count": sm.count,
+        "smooth_val": sm.val,
+        "train_metrics": [_metric_state(m) for m in _train_metrics(rec)],
+    }
 
 
 _METRIC_FIELDS = ("total", "count", "val", "targs", "preds")
@@ -115,28 +147,37 @@ def _train_metrics(rec) -> list:
 
 def _metric_state(m) -> dict:
     "A metric's running accumulators (fastai's AvgMetric/AvgLoss/AccumMetric keep these)."
+
     def snap(v):
-        if isinstance(v, torch.Tensor): return v.detach().clone()
-        if isinstance(v, list): return [snap(x) for x in v]
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        if isinstance(v, list):
+            return [snap(x) for x in v]
         return v
+
     return {k: snap(m.__dict__[k]) for k in _METRIC_FIELDS if k in m.__dict__}
 
 
 def set_recorder_state(learn, st: dict) -> None:
     rec = learn.recorder
     from fastcore.foundation import L
+
     losses = st["losses"]
     rec.lrs, rec.iters = list(st["lrs"]), list(st["iters"])
     if isinstance(losses, torch.Tensor) and losses.dim() == 1 and len(losses):
         rec.losses = []
         if isinstance(getattr(type(rec), "losses", None), RecorderLosses):
             rec.__dict__.setdefault("_state", {})["frk_losses"] = losses  # rebuilt on first read
-        else: rec.losses = _unbind(losses)  # a Recorder subclass that defines its own `losses`
-    else: rec.losses = list(losses)
+        else:
+            rec.losses = _unbind(losses)  # a Recorder subclass that defines its own `losses`
+    else:
+        rec.losses = list(losses)
     rec.values = [L(v) for v in st["values"]]
     rec.smooth_loss.count, rec.smooth_loss.val = st["smooth_count"], st["smooth_val"]
-    if rec.smooth_loss.count: learn.smooth_loss = rec.smooth_loss.value
-    if rec.values: learn.final_record = rec.values[-1].copy()
+    if rec.smooth_loss.count:
+        learn.smooth_loss = rec.smooth_loss.value
+    if rec.values:
+        learn.final_record = rec.values[-1].copy()
 
 
 def module_states(model) -> dict:
@@ -157,12 +198,16 @@ def set_module_states(model, states: dict) -> None:
         if m is None or not isinstance(m.__dict__.get("hidden"), list):
             raise CheckpointError(f"model state {name!r}: this model has no such recurrent module")
         dev = next(m.parameters()).device
+        m.hidden, m.bs = [_hidden_to(h, dev, name) for h in st["hidden"]], int(st["bs"])
 
-        def to(v):
-            if isinstance(v, torch.Tensor): return v.to(dev, copy=True)
-            if isinstance(v, (list, tuple)): return type(v)(to(x) for x in v)
-            raise CheckpointError(f"model state {name!r}: {type(v).__name__} in its hidden state")
-        m.hidden, m.bs = [to(h) for h in st["hidden"]], int(st["bs"])
+
+def _hidden_to(v, dev, name):
+    "A saved hidden state (tensors in lists and tuples) copied onto `dev`."
+    if isinstance(v, torch.Tensor):
+        return v.to(dev, copy=True)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_hidden_to(x, dev, name) for x in v)
+    raise CheckpointError(f"model state {name!r}: {type(v).__name__} in its hidden state")
 
 
 def set_train_metrics(learn, st: dict) -> None:
@@ -170,7 +215,8 @@ def set_train_metrics(learn, st: dict) -> None:
     has reset them for the epoch)."""
     for m, ms in zip(_train_metrics(learn.recorder), st.get("train_metrics", [])):
         for k, v in ms.items():
-            if k in _METRIC_FIELDS: m.__dict__[k] = list(v) if isinstance(v, (list, tuple)) else v
+            if k in _METRIC_FIELDS:
+                m.__dict__[k] = list(v) if isinstance(v, (list, tuple)) else v
 
 
 def cb_key(cbs, cb) -> str:
@@ -182,6 +228,7 @@ def cb_key(cbs, cb) -> str:
 def _mod(name):
     "A fastai module if the user's code has imported it (a callback of it can exist only then)."
     import sys
+
     return sys.modules.get(name)
 
 
@@ -192,17 +239,25 @@ _TRACKER_FIELDS = {"best": (float, int), "wait": (int,), "new_best": (bool,)}
 
 def _builtin_state(cb) -> Any:
     from .trackers import HANDLERS  # read at call time (the trackers' tests swap it)
+
     for pred, get, _ in HANDLERS:
-        if pred(cb): return get(cb)
-    tracker, training, fp16, sched, progress = (_mod("fastai.callback.tracker"), _mod("fastai.callback.training"),
-                                                 _mod("fastai.callback.fp16"), _mod("fastai.callback.schedule"),
-                                                 _mod("fastai.callback.progress"))
+        if pred(cb):
+            return get(cb)
+    tracker, training, fp16, sched, progress = (
+        _mod("fastai.callback.tracker"),
+        _mod("fastai.callback.training"),
+        _mod("fastai.callback.fp16"),
+        _mod("fastai.callback.schedule"),
+        _mod("fastai.callback.progress"),
+    )
     if tracker and isinstance(cb, tracker.TrackerCallback):
         return {k: plain(getattr(cb, k)) for k in _TRACKER_FIELDS if hasattr(cb, k)}
-    if training and isinstance(cb, training.GradientAccumulation): return {"count": getattr(cb, "count", 0)}
+    if training and isinstance(cb, training.GradientAccumulation):
+        return {"count": getattr(cb, "count", 0)}
     if fp16 and isinstance(cb, fp16.MixedPrecision) and hasattr(cb.learn, "scaler"):
         return {"scaler": plain(cb.learn.scaler.state_dict()), "scales": plain(getattr(cb, "scales", []))}
-    if sched and isinstance(cb, sched.ParamScheduler) and hasattr(cb, "hps"): return {"hps": plain(cb.hps)}
+    if sched and isinstance(cb, sched.ParamScheduler) and hasattr(cb, "hps"):
+        return {"hps": plain(cb.hps)}
     if progress and isinstance(cb, progress.CSVLogger) and getattr(cb, "file", None) is not None:
         cb.file.flush()
         return {"csv_size": cb.file.tell(), "csv_tail": _csv_tail(cb)}
@@ -218,22 +273,32 @@ def _csv_tail(cb) -> bytes:
 
 def _typed(cb, st: dict, fields: dict) -> None:
     for k, types in fields.items():
-        if k not in st: continue
+        if k not in st:
+            continue
         v = st[k]
         if not isinstance(v, types) or (bool in types) != isinstance(v, bool):
-            raise CheckpointError(f"callback state {type(cb).__name__}.{k}: {type(v).__name__} in the file, "
-                                  f"expected {'/'.join(t.__name__ for t in types)}")
+            raise CheckpointError(
+                f"callback state {type(cb).__name__}.{k}: {type(v).__name__} in the file, "
+                f"expected {'/'.join(t.__name__ for t in types)}"
+            )
         setattr(cb, k, v)
 
 
 def _set_builtin_state(cb, st) -> None:
     from .trackers import HANDLERS
+
     for pred, _, put in HANDLERS:
-        if pred(cb): return put(cb, st)
-    tracker, training, fp16, sched, progress = (_mod("fastai.callback.tracker"), _mod("fastai.callback.training"),
-                                                 _mod("fastai.callback.fp16"), _mod("fastai.callback.schedule"),
-                                                 _mod("fastai.callback.progress"))
+        if pred(cb):
+            return put(cb, st)
+    tracker, training, fp16, sched, progress = (
+        _mod("fastai.callback.tracker"),
+        _mod("fastai.callback.training"),
+        _mod("fastai.callback.fp16"),
+        _mod("fastai.callback.schedule"),
+        _mod("fastai.callback.progress"),
+    )
     from fastcore.foundation import L
+
     if fp16 and isinstance(cb, fp16.MixedPrecision):
         if not isinstance(st.get("scaler"), dict) or not isinstance(st.get("scales"), (list, tuple)):
             raise CheckpointError("callback state MixedPrecision: expected scaler (dict) and scales (list)")
@@ -241,13 +306,18 @@ def _set_builtin_state(cb, st) -> None:
         cb.scales = L(st["scales"])
     elif sched and isinstance(cb, sched.ParamScheduler):
         hps = st["hps"]
-        if not isinstance(hps, dict) or not all(isinstance(k, str) and isinstance(v, (list, tuple)) and
-                                                all(isinstance(x, (int, float)) for x in v) for k, v in hps.items()):
+        if not isinstance(hps, dict) or not all(
+            isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v)
+            for k, v in hps.items()
+        ):
             raise CheckpointError("callback state ParamScheduler.hps: expected a dict of str: list of numbers")
         cb.hps = {k: list(v) for k, v in hps.items()}
-    elif training and isinstance(cb, training.GradientAccumulation): _typed(cb, st, {"count": (int,)})
-    elif tracker and isinstance(cb, tracker.TrackerCallback): _typed(cb, st, _TRACKER_FIELDS)
-    elif progress and isinstance(cb, progress.CSVLogger): _continue_csv(cb, st)
+    elif training and isinstance(cb, training.GradientAccumulation):
+        _typed(cb, st, {"count": (int,)})
+    elif tracker and isinstance(cb, tracker.TrackerCallback):
+        _typed(cb, st, _TRACKER_FIELDS)
+    elif progress and isinstance(cb, progress.CSVLogger):
+        _continue_csv(cb, st)
 
 
 def _continue_csv(cb, st) -> None:
@@ -273,19 +343,24 @@ def callback_states(learn) -> dict:
     out = {}
     for cb in learn.cbs:
         st = cb.resume_state() if hasattr(cb, "resume_state") else _builtin_state(cb)
-        if st is not None: out[cb_key(learn.cbs, cb)] = plain(st)
+        if st is not None:
+            out[cb_key(learn.cbs, cb)] = plain(st)
     return out
 
 
 def set_callback_states(learn, states: dict) -> None:
     for cb in learn.cbs:
         st = states.get(cb_key(learn.cbs, cb))
-        if st is None: continue
+        if st is None:
+            continue
         if not isinstance(st, dict) and not hasattr(cb, "load_resume_state"):
             raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)}: {type(st).__name__}, expected a dict")
-        if hasattr(cb, "load_resume_state"): cb.load_resume_state(st)
+        if hasattr(cb, "load_resume_state"):
+            cb.load_resume_state(st)
         else:
-            try: _set_builtin_state(cb, st)
-            except CheckpointError: raise
+            try:
+                _set_builtin_state(cb, st)
+            except CheckpointError:
+                raise
             except (TypeError, KeyError, ValueError, AttributeError, IndexError, RuntimeError) as e:
                 raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)} is malformed: {e!r}") from None

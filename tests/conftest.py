@@ -1,6 +1,7 @@
 """Shared fixtures. The tests import their helpers (`procs`, `trainer`, `workloads`) from this folder
 and the package from the checkout; warnings are filtered in pyproject.toml, per source, so the
 package's own warnings reach the tests."""
+
 import os
 import sys
 

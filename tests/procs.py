@@ -1,4 +1,5 @@
 """Running tests/trainer.py as a real process, and comparing what runs produced."""
+
 import functools
 import os
 import signal
@@ -22,8 +23,9 @@ def trainer_cmd(path, out, *args):
 
 def start(cmd, **kw):
     "Popen of `cmd` with unbuffered, merged output to read line by line."
-    return subprocess.Popen(cmd, env=dict(ENV, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        cmd, env=dict(ENV, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw
+    )
 
 
 def wait_for_line(p, prefix) -> list:
@@ -31,7 +33,8 @@ def wait_for_line(p, prefix) -> list:
     seen = []
     for line in p.stdout:
         seen.append(line)
-        if prefix in line: return seen
+        if prefix in line:
+            return seen
     raise AssertionError("".join(seen))
 
 
@@ -44,7 +47,7 @@ def run(path, out, *args, expect_kill=False):
     return p.stdout
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(tmp_root, *args):
     d = os.path.join(tmp_root, "ref" + "_".join(a.strip("-") for a in args))
     os.makedirs(d, exist_ok=True)
@@ -53,9 +56,12 @@ def reference(tmp_root, *args):
 
 
 def equal(a, b):
-    if isinstance(a, torch.Tensor): return torch.equal(a, b)
-    if isinstance(a, dict): return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     return a == b
 
 
@@ -71,13 +77,12 @@ def workload_cmd(pipeline, path, out, *args):
 
 def run_workload(pipeline, path, out, *args, expect=0):
     "Runs tests/workloads.py in a new process; `expect`: its exit status (-9: killed by SIGKILL)."
-    p = subprocess.run(workload_cmd(pipeline, path, out, *args), capture_output=True, text=True, env=ENV,
-                       timeout=900)
+    p = subprocess.run(workload_cmd(pipeline, path, out, *args), capture_output=True, text=True, env=ENV, timeout=900)
     assert p.returncode == expect, f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}"
     return p.stdout + p.stderr
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def workload_reference(tmp_root, pipeline, *args):
     "The uninterrupted run of a workload, shared by the tests of one session."
     d = os.path.join(tmp_root, "wl-" + pipeline + "_".join(a.strip("-") for a in args))

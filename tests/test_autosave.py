@@ -1,18 +1,17 @@
 """AutoCheckpoint: SIGKILL at random moments (inside saves too) and autoresume until done ends
 bitwise equal to the uninterrupted run; SIGTERM saves and exits; retention; a full disk."""
+
 import os
 import random
 import signal
 import subprocess
-import sys
 import warnings
 
 import pytest
-
-import fastai_resume as fr
-
 from procs import ENV, N_ITER, assert_same_run, reference, run, start, trainer_cmd, wait_for_line
 from trainer import build
+
+import fastai_resume as fr
 
 STATE = ("--epochs", "2", "--ballast-mb", "8")  # a bigger state: saves take long enough to be hit
 AUTO = STATE + ("--auto", "4", "--slow-ms", "10")
@@ -36,8 +35,13 @@ def test_random_sigkills_with_autoresume_end_bitwise_equal(tmp_root, tmp_path, t
     models = tmp_path / "models"
     kills, had_checkpoint = 0, False
     while True:
-        p = subprocess.Popen(trainer_cmd(tmp_path, tmp_path / "out.frk", *AUTO), env=ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            trainer_cmd(tmp_path, tmp_path / "out.frk", *AUTO),
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             out, _ = p.communicate(timeout=rng.uniform(3.0, 8.0) if kills < 4 else 600)
             assert p.returncode == 0, out
@@ -75,7 +79,8 @@ def test_sigterm_saves_at_the_current_batch_and_exits_then_resumes_exactly(tmp_r
 def test_retention_keeps_newest_k_and_skips_a_corrupt_newest(tmp_path):
     cb = fr.AutoCheckpoint(every_iters=10, keep=3, background=False, every_epoch=False)
     learn = build(tmp_path, noise=False, extra_cbs=[cb])
-    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit_one_cycle(2, 1e-2)
     names = [p.name for p in cb.checkpoints()]
     assert names == [f"auto-{cb.run_id}-g000-s000-f00-e000001-i00000000{i}.frk" for i in (24, 34, 44)]
     newest = cb.checkpoints()[-1]
@@ -86,7 +91,8 @@ def test_retention_keeps_newest_k_and_skips_a_corrupt_newest(tmp_path):
     learn2 = build(tmp_path, noise=False, extra_cbs=[cb2])
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        with learn2.no_bar(), learn2.no_logging(): learn2.fit_one_cycle(2, 1e-2)
+        with learn2.no_bar(), learn2.no_logging():
+            learn2.fit_one_cycle(2, 1e-2)
     assert any(newest.name in str(x.message) for x in w)
     assert len(learn2.recorder.losses) == 2 * N_ITER
     assert [p.name for p in cb2.checkpoints()] == [names[-1]]  # re-made, verified
@@ -97,22 +103,27 @@ def test_a_kill_between_the_last_commit_and_its_retention_is_trimmed_at_autoresu
     "The run died after committing its final checkpoint and before removing the oldest one."
     cb = fr.AutoCheckpoint(every_iters=20, keep=2, background=False)
     learn = build(tmp_path, noise=False, extra_cbs=[cb])
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3)
     kept = [p.name for p in cb.checkpoints()]
-    assert kept == [f"auto-{cb.run_id}-g000-s000-f00-e000000-i0000000040.frk",
-                    f"auto-{cb.run_id}-g000-s000-f00-e000001-i0000000000.frk"]
+    assert kept == [
+        f"auto-{cb.run_id}-g000-s000-f00-e000000-i0000000040.frk",
+        f"auto-{cb.run_id}-g000-s000-f00-e000001-i0000000000.frk",
+    ]
     stale = cb.folder / kept[0].replace("i0000000040", "i0000000020")  # what retention would have removed
     stale.write_bytes((cb.folder / kept[0]).read_bytes())
     cb2 = fr.AutoCheckpoint(every_iters=20, keep=2, background=False)
     learn2 = build(tmp_path, noise=False, extra_cbs=[cb2])
-    with learn2.no_bar(), learn2.no_logging(): learn2.fit(1, 1e-3)  # resumes at the end: nothing to save
+    with learn2.no_bar(), learn2.no_logging():
+        learn2.fit(1, 1e-3)  # resumes at the end: nothing to save
     assert [p.name for p in cb2.checkpoints()] == kept
 
 
 def test_no_checkpoint_starts_from_the_beginning(tmp_path):
     cb = fr.AutoCheckpoint(every_iters=20, keep=2)
     learn = build(tmp_path, noise=False, extra_cbs=[cb])
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3)
     assert len(learn.recorder.losses) == N_ITER and len(cb.checkpoints()) == 2
 
 
@@ -122,8 +133,13 @@ def test_full_disk_during_autosave_is_a_clear_error_and_keeps_previous_checkpoin
     assert len(before) == 2
     for p in (tmp_path / "models").glob("auto-*.frk"):  # make the next saves bigger than the limit
         os.rename(p, p.with_name(p.name.replace("auto-", "old-")))
-    proc = subprocess.run(trainer_cmd(tmp_path, tmp_path / "b.frk", "--auto", "5", "--ballast-mb", "8",
-                                      "--fsize-mb", "4"), env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        trainer_cmd(tmp_path, tmp_path / "b.frk", "--auto", "5", "--ballast-mb", "8", "--fsize-mb", "4"),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0
     assert "background save of" in proc.stderr and "File too large" in proc.stderr
     assert "The previous checkpoints are intact" in proc.stderr

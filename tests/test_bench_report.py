@@ -1,5 +1,6 @@
 """The README's benchmark figures are generated from bench/results/*.json by bench/report.py:
 every block matches its file, and a figure edited by hand is caught."""
+
 import os
 import re
 import sys
@@ -10,7 +11,8 @@ import report  # noqa: E402
 
 
 def readme():
-    with open(os.path.join(ROOT, "README.md")) as f: return f.read()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
 
 
 def test_every_benchmark_result_file_has_its_block_in_the_readme_and_each_block_matches_its_file():
@@ -22,15 +24,17 @@ def test_every_benchmark_make_bench_runs_writes_a_result_file_the_readme_shows()
         bench = f.read().split("\nbench:", 1)[1].split("\n\n", 1)[0]
     ran = set(re.findall(r"bench/(\w+)\.py", bench)) - {"report"}
     assert ran == set(report.RENDER)
-    for name in ran: assert f"<!-- bench:{name} -->" in readme()
+    for name in ran:
+        assert f"<!-- bench:{name} -->" in readme()
 
 
 def test_a_figure_changed_by_hand_in_the_readme_is_reported():
     text = readme()
     m = re.search(r"<!-- bench:overhead -->\n.*?(\d+) ms", text, re.S)
-    edited = text[:m.start(1)] + str(int(m.group(1)) + 1) + text[m.end(1):]
-    assert report.problems(edited) == ["block bench:overhead differs from bench/results/overhead.json "
-                                       "(run python bench/report.py)"]
+    edited = text[: m.start(1)] + str(int(m.group(1)) + 1) + text[m.end(1) :]
+    assert report.problems(edited) == [
+        "block bench:overhead differs from bench/results/overhead.json (run python bench/report.py)"
+    ]
 
 
 def test_a_result_file_without_its_block_in_the_readme_is_reported():

@@ -1,5 +1,6 @@
 """A good fastai citizen: importing the package changes nothing a user did not opt into, `save`/`load`
 accept what fastai's accept, and `export` works at any time."""
+
 import io as _io
 import os
 import subprocess
@@ -7,13 +8,13 @@ import sys
 
 import pytest
 import torch
-
-import fastai_resume as fr
 from fastai.callback.core import Callback
 from fastai.learner import load_learner
 from procs import ENV, HERE
 from test_resume_rules import StopAt, fit
 from trainer import build
+
+import fastai_resume as fr
 
 SCRIPT = """
 import sys, torch
@@ -62,12 +63,15 @@ def test_save_and_load_accept_a_buffer_as_fastai_does(tmp_path):
 
 class ExportAtEnd(Callback):
     order = 500
-    def after_fit(self): self.learn.export("during.pkl")
+
+    def after_fit(self):
+        self.learn.export("during.pkl")
 
 
 class Interrupt(Callback):
     def after_batch(self):
-        if self.training and self.epoch == 1 and self.iter == 5: raise KeyboardInterrupt
+        if self.training and self.epoch == 1 and self.iter == 5:
+            raise KeyboardInterrupt
 
 
 def exportable(path, cbs=()):
@@ -77,10 +81,15 @@ def exportable(path, cbs=()):
     from fastai.learner import Learner
     from sklearn.datasets import load_digits
     from torch import nn
+
     X, y = load_digits(return_X_y=True)
     items = list(zip(torch.tensor(X / 16.0, dtype=torch.float32), y.tolist()))[:600]
-    dls = DataBlock(blocks=(TransformBlock, CategoryBlock), get_x=ItemGetter(0), get_y=ItemGetter(1),
-                    splitter=IndexSplitter(range(500, 600))).dataloaders(items, bs=32, device="cpu", path=path)
+    dls = DataBlock(
+        blocks=(TransformBlock, CategoryBlock),
+        get_x=ItemGetter(0),
+        get_y=ItemGetter(1),
+        splitter=IndexSplitter(range(500, 600)),
+    ).dataloaders(items, bs=32, device="cpu", path=path)
     return Learner(dls, nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), cbs=list(cbs), path=path)
 
 

@@ -5,6 +5,7 @@ The tool's contract: it prints its output and nothing else; an expected user err
 stderr that names the file and says what is wrong, with exit status 2 and no traceback; `verify`
 prints one line per file and exits 1 when a file is not a valid checkpoint.
 """
+
 import os
 import random
 import subprocess
@@ -13,11 +14,10 @@ import zipfile
 
 import pytest
 import torch
-
-import fastai_resume as fr
-
 from test_resume_rules import StopAt
 from trainer import build
+
+import fastai_resume as fr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
@@ -25,8 +25,13 @@ ENV["PYTHONPATH"] = ROOT
 
 
 def cli(*args, python_opts=()):
-    p = subprocess.run([sys.executable, *python_opts, "-m", "fastai_resume", *map(str, args)],
-                       capture_output=True, text=True, env=ENV, timeout=120)
+    p = subprocess.run(
+        [sys.executable, *python_opts, "-m", "fastai_resume", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     return p.returncode, p.stdout, p.stderr
 
 
@@ -36,7 +41,7 @@ def one_error_line(err, cmd):
     assert len(lines) == 1 and "Traceback" not in err, err
     prefix = f"fastai-resume {cmd}: error: "
     assert lines[0].startswith(prefix), err
-    return lines[0][len(prefix):]
+    return lines[0][len(prefix) :]
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +49,15 @@ def run(tmp_path_factory):
     "A learner's folder holding a mid-fit checkpoint (ck.frk) and fastai's own save (vanilla.pth)."
     d = tmp_path_factory.mktemp("cli")
     learn = build(d, noise=False)
-    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2, cbs=StopAt(1, 10))
+    with learn.no_bar(), learn.no_logging():
+        learn.fit_one_cycle(3, 1e-2, cbs=StopAt(1, 10))
     learn.save("vanilla")  # a plain save: fastai's own torch.save file, model and optimizer
     return d / "models"
 
 
 @pytest.fixture(scope="module")
-def ckpt(run): return run / "ck.frk"
+def ckpt(run):
+    return run / "ck.frk"
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +69,20 @@ def vanilla(run):
 # The inputs a user may name by mistake: how to make each, and what the one error line must say.
 def make_bad(kind, folder, ckpt, vanilla):
     p = folder / {"vanilla": "model.pth", "folder": "models"}.get(kind, f"{kind}.frk")
-    if kind == "empty": p.write_bytes(b"")
-    elif kind == "truncated": p.write_bytes(ckpt.read_bytes()[:4])
-    elif kind == "cut_in_half": p.write_bytes(ckpt.read_bytes()[:ckpt.stat().st_size // 2])
-    elif kind == "random": p.write_bytes(random.Random(0).randbytes(4096))
-    elif kind == "text": p.write_text("epoch train_loss valid_loss accuracy time\n0 0.31 0.22 0.93 00:01\n" * 20)
-    elif kind == "vanilla": p.write_bytes(vanilla.read_bytes())
-    elif kind == "folder": p.mkdir()
+    if kind == "empty":
+        p.write_bytes(b"")
+    elif kind == "truncated":
+        p.write_bytes(ckpt.read_bytes()[:4])
+    elif kind == "cut_in_half":
+        p.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    elif kind == "random":
+        p.write_bytes(random.Random(0).randbytes(4096))
+    elif kind == "text":
+        p.write_text("epoch train_loss valid_loss accuracy time\n0 0.31 0.22 0.93 00:01\n" * 20)
+    elif kind == "vanilla":
+        p.write_bytes(vanilla.read_bytes())
+    elif kind == "folder":
+        p.mkdir()
     return p
 
 
@@ -100,8 +114,10 @@ def test_convert_of_a_file_that_is_not_a_checkpoint_is_one_error_line_and_writes
     rc, out, err = cli("convert", bad, tmp_path / "out.pth")
     assert rc == 2 and out == ""
     msg = one_error_line(err, "convert")
-    reason = {"random": "neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file",
-              "text": "neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file"}.get(kind, REASON[kind])
+    reason = {
+        "random": "neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file",
+        "text": "neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file",
+    }.get(kind, REASON[kind])
     assert str(bad) in msg and reason in msg
     assert set(os.listdir(tmp_path)) == before  # no output, no temporary file
 
@@ -142,9 +158,17 @@ def test_verify_of_a_folder_checks_checkpoints_skips_other_files_and_sums_up(ckp
     lines = out.splitlines()
     assert lines[-1] == "2 ok, 2 bad, 5 skipped"
     status = {line.split()[1].rstrip(":").rsplit("/", 1)[1]: line.split()[0] for line in lines[:-1]}
-    assert status == {"good.frk": "OK", "good-too.pth": "OK", "flipped.frk": "BAD", "cut.frk": "BAD",
-                      "vanilla.pth": "SKIP", "notes.txt": "SKIP", "sub": "SKIP", "pipe.frk": "SKIP",
-                      f".auto-f000-e000001-i0000000010.frk.tmp.{os.getpid()}.0": "SKIP"}
+    assert status == {
+        "good.frk": "OK",
+        "good-too.pth": "OK",
+        "flipped.frk": "BAD",
+        "cut.frk": "BAD",
+        "vanilla.pth": "SKIP",
+        "notes.txt": "SKIP",
+        "sub": "SKIP",
+        "pipe.frk": "SKIP",
+        f".auto-f000-e000001-i0000000010.frk.tmp.{os.getpid()}.0": "SKIP",
+    }
     assert f"BAD  {tmp_path / 'flipped.frk'}: " in out and "checksum" in out.lower()
 
 
@@ -159,7 +183,10 @@ def test_verify_of_a_folder_without_checkpoints_is_an_error(vanilla, tmp_path):
     (tmp_path / "b.pth").write_bytes(vanilla.read_bytes())
     rc, out, err = cli("verify", tmp_path)
     assert rc == 2 and out.splitlines()[-1] == "0 ok, 0 bad, 1 skipped"
-    assert one_error_line(err, "verify") == f"{tmp_path}: no fastai_resume checkpoint in this folder (1 other entry skipped)"
+    assert (
+        one_error_line(err, "verify")
+        == f"{tmp_path}: no fastai_resume checkpoint in this folder (1 other entry skipped)"
+    )
 
 
 def test_inspect_shows_position_tensors_and_verification(ckpt):
@@ -217,12 +244,17 @@ def test_convert_reads_a_pth_written_under_numpy_1(vanilla, tmp_path):
     assert "numpy.core.multiarray.scalar" in torch.serialization.get_unsafe_globals_in_checkpoint(old)
     rc, _, err = cli("convert", old, tmp_path / "v.frk")
     assert (rc, err) == (0, "")
-    assert fr.load(tmp_path / "v.frk")["opt"]["hypers"][0]["lr"] == float(torch.load(vanilla, weights_only=False)["opt"]["hypers"][0]["lr"])
+    assert fr.load(tmp_path / "v.frk")["opt"]["hypers"][0]["lr"] == float(
+        torch.load(vanilla, weights_only=False)["opt"]["hypers"][0]["lr"]
+    )
 
 
 class _Payload:
-    def __init__(self, marker): self.marker = marker
-    def __reduce__(self): return (os.system, (f"touch {self.marker}",))
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 def test_convert_never_runs_code_from_a_pth(tmp_path):
@@ -247,14 +279,21 @@ def test_convert_refuses_files_that_hold_no_model(tmp_path):
     fr.save({"losses": [1.0, 2.0]}, tmp_path / "tree.frk")
     torch.save([torch.ones(2)], tmp_path / "list.pth")
     rc, _, err = cli("convert", tmp_path / "tree.frk", tmp_path / "o.pth")
-    assert rc == 2 and one_error_line(err, "convert") == f"{tmp_path / 'tree.frk'}: a fastai_resume file, but not a Learner checkpoint (no 'model')"
+    assert (
+        rc == 2
+        and one_error_line(err, "convert")
+        == f"{tmp_path / 'tree.frk'}: a fastai_resume file, but not a Learner checkpoint (no 'model')"
+    )
     rc, _, err = cli("convert", tmp_path / "list.pth", tmp_path / "o.frk")
     assert rc == 2 and "a torch.save file, but not a fastai model" in one_error_line(err, "convert")
 
 
 def test_convert_to_a_bad_destination_is_one_error_line(ckpt, tmp_path):
-    for dst, reason in [(tmp_path / "no" / "o.pth", f"folder {tmp_path / 'no'} does not exist"),
-                        (tmp_path, "is a folder; name the file to write"), (ckpt, "is the source file; name another file")]:
+    for dst, reason in [
+        (tmp_path / "no" / "o.pth", f"folder {tmp_path / 'no'} does not exist"),
+        (tmp_path, "is a folder; name the file to write"),
+        (ckpt, "is the source file; name another file"),
+    ]:
         rc, out, err = cli("convert", ckpt, dst)
         assert rc == 2 and out == "" and one_error_line(err, "convert") == f"{dst}: {reason}"
     assert fr.load(ckpt)["model"]  # the source is untouched
@@ -262,8 +301,12 @@ def test_convert_to_a_bad_destination_is_one_error_line(ckpt, tmp_path):
 
 def test_the_cli_prints_its_output_and_nothing_else(ckpt, vanilla, tmp_path):
     "No warning of any kind (turned into errors here), and fastai is never imported."
-    runs = [("inspect", ckpt), ("verify", ckpt.parent), ("convert", ckpt, tmp_path / "a.pth"),
-            ("convert", vanilla, tmp_path / "b.frk")]
+    runs = [
+        ("inspect", ckpt),
+        ("verify", ckpt.parent),
+        ("convert", ckpt, tmp_path / "a.pth"),
+        ("convert", vanilla, tmp_path / "b.frk"),
+    ]
     for args in runs:
         rc, out, err = cli(*args, python_opts=("-W", "error", "-X", "importtime"))
         imported = [line.rsplit("|", 1)[1].strip() for line in err.splitlines() if line.startswith("import time:")]
@@ -285,6 +328,7 @@ def test_the_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient
+
     nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))

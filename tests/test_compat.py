@@ -1,6 +1,7 @@
 """The fastai releases the package claims: a clear warning outside them, and a loud failure when the
 installed fastai changes a function the package replaces or relies on. `make compat` runs this file
 and the exactness tests once per release in `compat.TESTED_FASTAI`."""
+
 import os
 import re
 import shutil
@@ -17,8 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_the_packages_under_test_are_the_ones_make_compat_installed():
     "`make compat` puts each row's packages first on PYTHONPATH; this checks they are the ones imported."
     import importlib
+
     pkgs = os.environ.get("FRK_COMPAT_PKGS")
-    if pkgs is None: pytest.skip("not under make compat")
+    if pkgs is None:
+        pytest.skip("not under make compat")
     for spec in pkgs.split():
         name, version = spec.split("==")
         mod = importlib.import_module(name)
@@ -59,6 +62,7 @@ def test_pyproject_claims_exactly_the_tested_fastai_range():
 
 def test_pyproject_python_range_is_the_tested_python():
     import sys
+
     text = open(os.path.join(ROOT, "pyproject.toml")).read()
     (spec,) = re.findall(r'requires-python = "([^"]+)"', text)
     assert spec == ">=3.11,<3.12" and sys.version_info[:2] == (3, 11)
@@ -68,12 +72,15 @@ def test_fastai_functions_the_package_replaces_are_unchanged():
     """Each function whose body the patches copy, or whose attributes the state capture reads, has
     the source recorded for the tested releases. A new fastai that changes one fails here, by name."""
     changed = compat.changed_sources()
-    assert changed == [], (f"fastai {fastai.__version__} changed {changed}: compare them with what "
-                           "fastai_resume replaces, then record the new hashes in compat.REPLACED_SOURCES")
+    assert changed == [], (
+        f"fastai {fastai.__version__} changed {changed}: compare them with what "
+        "fastai_resume replaces, then record the new hashes in compat.REPLACED_SOURCES"
+    )
 
 
 def test_sources_are_read_from_fastais_files_not_from_the_patched_classes():
     from fastai.learner import Learner
+
     srcs = compat.fastai_sources()
     assert srcs["Learner._do_fit"].startswith("def _do_fit(self):") and "_frk" not in srcs["Learner._do_fit"]
     assert "fastai_resume" in Learner._do_fit.__code__.co_filename  # the live method is the patched one
@@ -97,11 +104,20 @@ def test_demo_without_scikit_learn_says_in_one_line_how_to_install_it():
     require scikit-learn themselves, so this guards against a fastai that drops it.)"""
     import subprocess
     import sys
-    code = ("import sys, fastai_resume; sys.modules['sklearn.datasets'] = None  # as if not installed\n"
-            "from fastai_resume.demo import main; main([])")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT))
+
+    code = (
+        "import sys, fastai_resume; sys.modules['sklearn.datasets'] = None  # as if not installed\n"
+        "from fastai_resume.demo import main; main([])"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=ROOT),
+    )
     assert p.returncode == 1 and p.stdout == ""
     assert p.stderr.strip().splitlines() == [
-        "fastai_resume.demo needs scikit-learn (its bundled digits data set): pip install 'fastai-resume[demo]'"]
+        "fastai_resume.demo needs scikit-learn (its bundled digits data set): pip install 'fastai-resume[demo]'"
+    ]
     assert 'demo = ["scikit-learn"]' in open(os.path.join(ROOT, "pyproject.toml")).read()

@@ -2,6 +2,7 @@
 launches them, training inside fastai's `distrib_ctx` (Accelerate's DDP and fastai's
 DistributedDL). Each rank draws its own augmentation noise and dropout masks, so per-rank RNG
 state matters; every comparison is made on every rank against the uninterrupted 2-process run."""
+
 import functools
 import os
 import random
@@ -13,10 +14,9 @@ import time
 
 import pytest
 import torch
+from procs import ENV, HERE, equal, start, wait_for_line
 
 import fastai_resume as fr
-
-from procs import ENV, HERE, equal, start, wait_for_line
 
 N_ITER = 23  # per rank: 1500 digits split over 2 ranks, bs 32, drop_last
 BS = 32
@@ -24,13 +24,27 @@ KEYS = ("model", "opt", "losses", "lrs", "values")
 
 
 def torchrun(path, out, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            os.path.join(HERE, "trainer.py"), "--ddp", "--path", str(path), "--out", str(out), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(HERE, "trainer.py"),
+        "--ddp",
+        "--path",
+        str(path),
+        "--out",
+        str(out),
+        *args,
+    ]
 
 
 def launch(path, out, *args, ok=True):
     p = subprocess.run(torchrun(path, out, *args), capture_output=True, text=True, env=ENV, timeout=600)
-    if ok: assert p.returncode == 0, p.stdout + p.stderr[-5000:]
+    if ok:
+        assert p.returncode == 0, p.stdout + p.stderr[-5000:]
     return p
 
 
@@ -38,7 +52,7 @@ def ranks(out):
     return [fr.load(f"{out}.rank{r}") for r in (0, 1)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(tmp_root, *args):
     d = os.path.join(tmp_root, "ddp-ref" + "_".join(a.strip("-") for a in args))
     os.makedirs(d, exist_ok=True)
@@ -76,7 +90,7 @@ def test_kill_at_iteration_k_then_resume_is_bitwise_equal_on_every_rank(tmp_root
     res = ranks(tmp_path / "res.frk")
     assert_same_on_every_rank(ref, res)
     for r in (0, 1):  # each rank skipped its own share and loaded the rest of it, nothing else
-        assert equal(res[r]["seen"][str(epoch)], ref[r]["seen"][str(epoch)][k * BS:])
+        assert equal(res[r]["seen"][str(epoch)], ref[r]["seen"][str(epoch)][k * BS :])
         assert str(epoch - 1) not in res[r]["seen"]
 
 
@@ -94,27 +108,36 @@ def test_negative_control_every_rank_resuming_with_rank0s_rng_breaks_equality(tm
     launch(tmp_path, tmp_path / "dead.frk", "--die-at", "1,10", ok=False)
     launch(tmp_path, tmp_path / "res.frk", "--resume", "crash", "--shared-rng")
     res = ranks(tmp_path / "res.frk")
-    assert res[0]["losses"][:N_ITER + 10] == ref[0]["losses"][:N_ITER + 10]  # restored history is fine
+    assert res[0]["losses"][: N_ITER + 10] == ref[0]["losses"][: N_ITER + 10]  # restored history is fine
     assert not equal(ref[1]["losses"], res[1]["losses"])
     assert not equal(ref[0]["model"], res[0]["model"])
 
 
 def test_a_different_world_size_is_refused_with_a_clear_error_or_resharded_on_request(tmp_root, tmp_path):
     launch(tmp_path, tmp_path / "dead.frk", "--die-at", "1,10", ok=False)
-    single = [sys.executable, os.path.join(HERE, "trainer.py"), "--path", str(tmp_path), "--out", str(tmp_path / "one.frk")]
+    single = [
+        sys.executable,
+        os.path.join(HERE, "trainer.py"),
+        "--path",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "one.frk"),
+    ]
     p = subprocess.run(single + ["--resume", "crash"], capture_output=True, text=True, env=ENV, timeout=600)
     assert p.returncode != 0
     assert "saved by a fit of 2 process(es) and this fit runs 1" in p.stderr and "start_epoch" in p.stderr
     # the documented rule: an explicit start_epoch continues anyway, re-sharded for 1 process
-    p = subprocess.run(single + ["--resume", "crash", "--start-epoch", "2"], capture_output=True, text=True,
-                       env=ENV, timeout=600)
+    p = subprocess.run(
+        single + ["--resume", "crash", "--start-epoch", "2"], capture_output=True, text=True, env=ENV, timeout=600
+    )
     assert p.returncode == 0, p.stderr
     assert "at epoch 2, iteration 0/46" in p.stdout
     assert len(fr.load(tmp_path / "one.frk")["seen"]["2"]) == 1500
 
 
-@pytest.mark.parametrize("trial,every", [(0, ("--auto", "4")), (1, ("--auto-seconds", "0.15"))],
-                         ids=["every_iters", "every_seconds"])
+@pytest.mark.parametrize(
+    "trial,every", [(0, ("--auto", "4")), (1, ("--auto-seconds", "0.15"))], ids=["every_iters", "every_seconds"]
+)
 def test_autocheckpoint_sigkill_of_the_whole_job_then_autoresume_is_bitwise_equal(tmp_root, tmp_path, trial, every):
     ref = reference(tmp_root)
     rng = random.Random(trial)

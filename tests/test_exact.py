@@ -1,15 +1,11 @@
 """Exactness: a run that saves at iteration k of epoch e, dies by SIGKILL and is restarted in a
 new process that builds the learner the same way, loads and fits again, ends bitwise equal to the
 uninterrupted run: model, optimizer, and the Recorder's losses, lrs and metric values."""
-import os
-import sys
 
 import pytest
-
+from procs import N_ITER, assert_same_run, equal, reference, run
 
 import fastai_resume as fr
-
-from procs import N_ITER, assert_same_run, equal, reference, run
 
 
 def crash_and_resume(tmp_path, die_at, *args, resume_args=()):

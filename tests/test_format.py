@@ -1,6 +1,7 @@
 """The value-tree format through the Python API: every dtype and tree kind round-trips exactly,
 storage sharing survives, loaded tensors are zero-copy views that outlive their file, and
 anything unstorable fails at save time naming where it is."""
+
 import os
 
 import numpy as np
@@ -17,16 +18,37 @@ def roundtrip(tree, tmp_path, **kw):
     return fr.load(p, **kw)
 
 
-FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                      "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
-          torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
-          torch.complex32, torch.complex64, torch.complex128] + FLOAT8
+FLOAT8 = [
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)
+]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+] + FLOAT8
 
 
 def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -39,8 +61,13 @@ def test_every_torch_dtype_round_trips_bitwise(dtype, tmp_path):
 
 def test_zero_dim_empty_and_noncontiguous_tensors_keep_shape_and_strides(tmp_path):
     base = torch.arange(24.0).reshape(4, 6)
-    tree = {"scalar": torch.tensor(3.5), "empty": torch.empty(0, 7), "t": base.t(),
-            "slice": base[1:, ::2], "rows_overlap_but_fit": base.view(-1).as_strided((3, 6), (6, 1), 6)}
+    tree = {
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "t": base.t(),
+        "slice": base[1:, ::2],
+        "rows_overlap_but_fit": base.view(-1).as_strided((3, 6), (6, 1), 6),
+    }
     back = roundtrip(tree, tmp_path)
     for k, v in tree.items():
         assert torch.equal(v, back[k]) and back[k].shape == v.shape and back[k].stride() == v.stride(), k
@@ -60,8 +87,7 @@ def test_shared_storage_stays_shared_like_tied_weights(tmp_path):
     emb = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)
     head.weight = emb.weight
-    sd = {"emb.weight": emb.weight.detach(), "head.weight": head.weight.detach(),
-          "view": emb.weight.detach()[2:5]}
+    sd = {"emb.weight": emb.weight.detach(), "head.weight": head.weight.detach(), "view": emb.weight.detach()[2:5]}
     back = roundtrip(sd, tmp_path)
     assert back["emb.weight"].untyped_storage().data_ptr() == back["head.weight"].untyped_storage().data_ptr()
     back["emb.weight"][3, 0] = 123.0
@@ -70,9 +96,21 @@ def test_shared_storage_stays_shared_like_tied_weights(tmp_path):
 
 
 def test_python_values_and_containers_round_trip(tmp_path):
-    tree = {"none": None, "t": True, "f": False, "i": -(2 ** 63), "big": 2 ** 63 - 1, "x": 1.5,
-            "nan": float("nan"), "s": "héllo ✓", "b": b"\x00\xff", "l": [1, [2, [3]]],
-            "tup": (1, "a", (None,)), 7: "int key", "nested": {"a": {"b": {"c": []}}}}
+    tree = {
+        "none": None,
+        "t": True,
+        "f": False,
+        "i": -(2**63),
+        "big": 2**63 - 1,
+        "x": 1.5,
+        "nan": float("nan"),
+        "s": "héllo ✓",
+        "b": b"\x00\xff",
+        "l": [1, [2, [3]]],
+        "tup": (1, "a", (None,)),
+        7: "int key",
+        "nested": {"a": {"b": {"c": []}}},
+    }
     back = roundtrip(tree, tmp_path)
     nan = back.pop("nan")
     assert nan != nan
@@ -81,9 +119,14 @@ def test_python_values_and_containers_round_trip(tmp_path):
 
 
 def test_numpy_arrays_round_trip_with_dtype_and_strides(tmp_path):
-    arrs = {"i": np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2], "f": np.random.rand(5).astype(np.float16),
-            "c": np.array([1 + 2j], dtype=np.complex128), "bool": np.array([True, False]),
-            "empty": np.zeros((0, 3), dtype=np.float32), "u32": np.array(7, dtype=np.uint32)}
+    arrs = {
+        "i": np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],
+        "f": np.random.rand(5).astype(np.float16),
+        "c": np.array([1 + 2j], dtype=np.complex128),
+        "bool": np.array([True, False]),
+        "empty": np.zeros((0, 3), dtype=np.float32),
+        "u32": np.array(7, dtype=np.uint32),
+    }
     back = roundtrip(arrs, tmp_path)
     for k, a in arrs.items():
         assert back[k].dtype == a.dtype and back[k].shape == a.shape and np.array_equal(back[k], a), k
@@ -96,12 +139,14 @@ def test_same_tensor_twice_loads_as_one_object(tmp_path):
 
 
 def test_unstorable_value_fails_at_save_naming_its_path(tmp_path):
-    class MyClass: pass
+    class MyClass:
+        pass
+
     with pytest.raises(TypeError, match=r"\['opt'\]\['state'\]\[3\]\['foo'\]: .*MyClass is not storable"):
         fr.save({"opt": {"state": [0, 1, 2, {"foo": MyClass()}]}}, tmp_path / "x.frk")
     assert not (tmp_path / "x.frk").exists()
     with pytest.raises(TypeError, match="does not fit in 64 bits"):
-        fr.save([2 ** 64], tmp_path / "x.frk")
+        fr.save([2**64], tmp_path / "x.frk")
     with pytest.raises(TypeError, match="keys must be str or int"):
         fr.save({(1, 2): 3}, tmp_path / "x.frk")
     with pytest.raises(TypeError, match="sparse"):
@@ -150,9 +195,14 @@ def test_loaded_memory_is_the_process_own_when_the_file_is_truncated_and_rewritt
     import signal
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-c", CHANGED_FILE_CHILD, str(tmp_path / "t.frk"), str(int(mmap))],
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+
+    r = subprocess.run(
+        [sys.executable, "-c", CHANGED_FILE_CHILD, str(tmp_path / "t.frk"), str(int(mmap))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))),
+    )
     if mmap:
         assert r.returncode == -signal.SIGBUS, (r.returncode, r.stdout, r.stderr[-2000:])
     else:
@@ -205,6 +255,7 @@ def test_crc32c_hardware_matches_known_vectors():
 
 def test_background_commit_writes_the_same_file(tmp_path):
     from fastai_resume.io import encode
+
     tree = {"w": torch.randn(1000, 100)}
     w = encode(tree)
     w.commit_async(str(tmp_path / "a.frk"))
@@ -232,11 +283,15 @@ def test_info_builds_the_tensor_table_once_not_once_per_tensor(tmp_path, monkeyp
     real, calls = _core.Reader, []
 
     class CountingReader:  # the C type cannot be patched: wrap it
-        def __init__(self, *a, **kw): self.r = real(*a, **kw)
+        def __init__(self, *a, **kw):
+            self.r = real(*a, **kw)
+
         def tensors(self):
             calls.append(1)
             return self.r.tensors()
-        def __getattr__(self, name): return getattr(self.r, name)
+
+        def __getattr__(self, name):
+            return getattr(self.r, name)
 
     monkeypatch.setattr(_core, "Reader", CountingReader)
     info = fr.info(p)
@@ -248,8 +303,10 @@ def test_info_builds_the_tensor_table_once_not_once_per_tensor(tmp_path, monkeyp
 
 # ---- the binding itself --------------------------------------------------------------------------
 
+
 def test_every_core_function_method_and_type_has_a_signature():
     import inspect
+
     checked = []
     for name, obj in vars(_core).items():
         if name.startswith("_") or not callable(obj) or obj is _core.CheckpointError:
@@ -261,8 +318,16 @@ def test_every_core_function_method_and_type_has_a_signature():
                 if not mname.startswith("_") and callable(m):
                     checked.append(f"{name}.{mname}")
                     inspect.signature(getattr(obj, mname))
-    assert {"crc32c", "Writer", "Writer.put_int", "Writer.commit", "Mapping", "Reader.tree",
-            "SkipToIter.before_epoch", "skip_plan"} <= set(checked)
+    assert {
+        "crc32c",
+        "Writer",
+        "Writer.put_int",
+        "Writer.commit",
+        "Mapping",
+        "Reader.tree",
+        "SkipToIter.before_epoch",
+        "skip_plan",
+    } <= set(checked)
     assert list(inspect.signature(_core.Mapping).parameters) == ["path", "copy"]
     assert str(inspect.signature(_core.Writer.commit)) == "(self, /, path, fsync=True)"
 
@@ -290,6 +355,7 @@ def test_skip_actions_are_exposed_by_the_core_not_mirrored():
 def test_two_threads_waiting_for_one_background_commit_both_get_its_result(tmp_path):
     "wait() joins the C thread exactly once, however many Python threads wait for it."
     import threading
+
     big = torch.randn(1 << 22)  # 16 MB: the commit is still running when the waiters start
     w = fr.io.encode({"w": big})
     w.commit_async(str(tmp_path / "t.frk"))
@@ -300,8 +366,10 @@ def test_two_threads_waiting_for_one_background_commit_both_get_its_result(tmp_p
         results.append(w.wait())
 
     threads = [threading.Thread(target=waiter) for _ in range(3)]
-    for t in threads: t.start()
-    for t in threads: t.join(60)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
     assert len(results) == 3 and len(set(results)) == 1
     assert w.wait() == results[0]  # a waiter that comes after the join gets the same result
     assert results[0] == (tmp_path / "t.frk").stat().st_size and w.done

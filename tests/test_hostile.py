@@ -12,6 +12,7 @@ so that a crash (a segfault, an abort) fails the test instead of the test run.
 * a save that hits RLIMIT_FSIZE over a good checkpoint raises OSError(EFBIG) naming the path,
   and leaves the previous checkpoint bitwise intact and no temporary file.
 """
+
 import errno
 import glob
 import json
@@ -34,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---- a canonical, comparable description of a loaded value tree (parent and child) -----------
 
-CANON_SRC = r'''
+CANON_SRC = r"""
 def canon(v):
     import numpy as np, torch
     if v is None or isinstance(v, bool):
@@ -60,18 +61,21 @@ def canon(v):
     if isinstance(v, (list, tuple)):
         return [type(v).__name__, [canon(x) for x in v]]
     return ["other", type(v).__name__]
-'''
+"""
 _ns: dict = {}
 exec(CANON_SRC, _ns)  # the same canon() here as in the children
 canon = _ns["canon"]
 
-CHILD_PRELUDE = r'''
+CHILD_PRELUDE = (
+    r"""
 import json, os, sys, warnings
 warnings.filterwarnings("ignore")
 import fastai_resume as fr
 def emit(obj):
     print("RESULT " + json.dumps(obj), flush=True)
-''' + CANON_SRC
+"""
+    + CANON_SRC
+)
 
 
 class Child:
@@ -79,13 +83,18 @@ class Child:
     side: each spends most of its time importing torch and fastai); `result()` waits for it."""
 
     def __init__(self, name: str, code: str, *args, workdir):
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONDONTWRITEBYTECODE="1")
+        env = dict(
+            os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1"
+        )
         self.out_path, self.err_path = workdir / f"{name}.stdout", workdir / f"{name}.stderr"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.p = subprocess.Popen(
                 [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code), *map(str, args)],
-                stdout=out, stderr=err, env=env, cwd=ROOT)
+                stdout=out,
+                stderr=err,
+                env=env,
+                cwd=ROOT,
+            )
 
     def result(self, timeout=300):
         """(returncode, the RESULT object or None, the tail of its output, its whole stdout)."""
@@ -98,7 +107,7 @@ class Child:
         result = None
         for line in stdout.splitlines():
             if line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
+                result = json.loads(line[len("RESULT ") :])
         return rc, result, stdout[-3000:] + stderr[-3000:], stdout
 
     def stop(self):
@@ -108,8 +117,11 @@ class Child:
 
 
 def crashed(rc, out):
-    return f"child exited with {rc} (negative: killed by signal {-rc})\n{out}" if rc < 0 else \
-        f"child exited with {rc}\n{out}"
+    return (
+        f"child exited with {rc} (negative: killed by signal {-rc})\n{out}"
+        if rc < 0
+        else f"child exited with {rc}\n{out}"
+    )
 
 
 # ---- the byte layout (csrc/layout.h, docs/FORMAT.md), for building hostile files with valid checksums
@@ -131,12 +143,12 @@ class Layout:
     def parse(cls, raw: bytes) -> "Layout":
         L = cls()
         ioff, isz, fsz, icrc, L.version = struct.unpack_from("<QQQII", raw, len(raw) - 64)
-        assert fsz == len(raw) and crc(raw[ioff:ioff + isz]) == icrc
-        ix = raw[ioff:ioff + isz]
-        nb, = struct.unpack_from("<Q", ix, 0)
+        assert fsz == len(raw) and crc(raw[ioff : ioff + isz]) == icrc
+        ix = raw[ioff : ioff + isz]
+        (nb,) = struct.unpack_from("<Q", ix, 0)
         L.blobs = [list(struct.unpack_from("<QQII", ix, 8 + 24 * i)) for i in range(nb)]
         p = 8 + 24 * nb
-        nt, = struct.unpack_from("<Q", ix, p)
+        (nt,) = struct.unpack_from("<Q", ix, p)
         p += 8
         L.tensors = []
         for _ in range(nt):
@@ -145,23 +157,25 @@ class Layout:
             sizes = list(struct.unpack_from(f"<{ndim}q", ix, p))
             strides = list(struct.unpack_from(f"<{ndim}q", ix, p + 8 * ndim))
             p += 16 * ndim
-            L.tensors.append(dict(kind=kind, dtype=dtype, ndim=ndim, resv=resv, blob=blob, soff=soff,
-                                  sizes=sizes, strides=strides))
-        tl, = struct.unpack_from("<Q", ix, p)
-        L.tree = ix[p + 8:p + 8 + tl]
+            L.tensors.append(
+                dict(kind=kind, dtype=dtype, ndim=ndim, resv=resv, blob=blob, soff=soff, sizes=sizes, strides=strides)
+            )
+        (tl,) = struct.unpack_from("<Q", ix, p)
+        L.tree = ix[p + 8 : p + 8 + tl]
         assert p + 8 + tl == isz
         L.head = raw[:ioff]
         return L
 
-    def seal(self, *, nb=None, nt=None, tree_len=None, fix_blob_crcs=False, file_size_delta=0,
-             version=None, tail=b"") -> bytes:
+    def seal(
+        self, *, nb=None, nt=None, tree_len=None, fix_blob_crcs=False, file_size_delta=0, version=None, tail=b""
+    ) -> bytes:
         head = bytearray(self.head)
         if version is not None:
             struct.pack_into("<I", head, 8, version)
         ix = bytearray(struct.pack("<Q", len(self.blobs) if nb is None else nb))
         for off, ln, c, resv in self.blobs:
             if fix_blob_crcs:
-                c = crc(head[off:off + ln]) if off + ln <= len(head) else 0
+                c = crc(head[off : off + ln]) if off + ln <= len(head) else 0
             ix += struct.pack("<QQII", off, ln, c, resv)
         ix += struct.pack("<Q", len(self.tensors) if nt is None else nt)
         for t in self.tensors:
@@ -171,8 +185,16 @@ class Layout:
         ix += struct.pack("<Q", len(self.tree) if tree_len is None else tree_len) + self.tree
         ioff = len(head)
         foot = bytearray(64)
-        struct.pack_into("<QQQII", foot, 0, ioff, len(ix), ioff + len(ix) + 64 + file_size_delta,
-                         crc(ix), self.version if version is None else version)
+        struct.pack_into(
+            "<QQQII",
+            foot,
+            0,
+            ioff,
+            len(ix),
+            ioff + len(ix) + 64 + file_size_delta,
+            crc(ix),
+            self.version if version is None else version,
+        )
         struct.pack_into("<I", foot, 52, crc(foot[:52]))
         foot[56:] = FOOT_MAGIC
         return bytes(head + ix + foot) + tail
@@ -200,22 +222,30 @@ def t_str(b: bytes, tag="str", claim=None):
 def covered_ranges(raw: bytes, info: dict):
     """Byte ranges some check covers: the preamble (magic, version, zero flags), every blob
     (CRC32C), the index (CRC32C) and the footer (magic, CRC). Padding is not covered."""
-    ioff, = struct.unpack_from("<Q", raw, len(raw) - 64)
+    (ioff,) = struct.unpack_from("<Q", raw, len(raw) - 64)
     return [(0, 64)] + [(o, o + n) for o, n, _ in info["blobs"] if n] + [(ioff, len(raw))]
 
 
 # ---- a small real checkpoint -----------------------------------------------------------------------
 
+
 def small_tree():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4, 6, generator=g)
     return {
-        "model": {"w": w, "w_t": w.t(), "b": torch.arange(5, dtype=torch.int64),
-                  "mask": torch.tensor([True, False, True]), "h": torch.randn(3, generator=g).half()},
+        "model": {
+            "w": w,
+            "w_t": w.t(),
+            "b": torch.arange(5, dtype=torch.int64),
+            "mask": torch.tensor([True, False, True]),
+            "h": torch.randn(3, generator=g).half(),
+        },
         "opt": {"lr": 1e-3, "step": 17, "betas": (0.9, 0.999), "state": [None, True, False]},
         "np": np.arange(6, dtype=np.float32).reshape(2, 3),
         "empty": torch.empty(0, 3),
-        "name": "run-\u00e9\u20ac", "blob": b"\x00\xff\x80pickle?", 7: [[], {}],
+        "name": "run-\u00e9\u20ac",
+        "blob": b"\x00\xff\x80pickle?",
+        7: [[], {}],
     }
 
 
@@ -243,7 +273,7 @@ def test_layout_model_matches_the_writer(small_ckpt):
 
 # ---- truncation and bit flips ------------------------------------------------------------------------
 
-TRUNCATE_CHILD = r'''
+TRUNCATE_CHILD = r"""
 src, work = sys.argv[1], sys.argv[2]
 raw = open(src, "rb").read()
 out = {"n": len(raw), "rejected": 0, "bad": [], "msgs": {}}
@@ -267,7 +297,7 @@ with open(work, "xb") as f:  # control: the whole file
     f.write(raw)
 out["full"] = canon(fr.load(work))
 emit(out)
-'''
+"""
 
 
 def prepare_truncation(d, small_ckpt):
@@ -292,7 +322,7 @@ def test_truncation_at_every_offset_is_rejected(small_ckpt, children):
     assert "no valid footer" in msgs[str(len(raw) - 1)] or "footer" in msgs[str(len(raw) - 1)]
 
 
-FLIP_CHILD = r'''
+FLIP_CHILD = r"""
 src, work, plan = sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read())
 raw = open(src, "rb").read()
 orig = canon(fr.load(src))
@@ -331,7 +361,7 @@ for off, x in plan["blob_flips"]:  # control: with verify=False only the blob CR
 os.close(fd)
 out["restored"] = open(work, "rb").read() == raw and canon(fr.load(work)) == orig
 emit(out)
-'''
+"""
 
 
 def prepare_flips(d, small_ckpt):
@@ -368,21 +398,25 @@ def test_random_bit_flips_in_covered_bytes_are_rejected(children):
 
 # ---- hostile files with valid checksums ----------------------------------------------------------------
 
+
 def base_layout():
     """A real checkpoint: tensor 0 = torch float32 [4, 6] (blob 0, 96 bytes), tensor 1 = torch
     int64 [5] (blob 1, 40 bytes), tensor 2 = numpy float32 [6] (blob 2, 24 bytes)."""
     import tempfile
-    tree = {"w": torch.arange(24, dtype=torch.float32).reshape(4, 6),
-            "b": torch.arange(5, dtype=torch.int64), "n": np.arange(6, dtype=np.float32),
-            "meta": {"name": "x", "epoch": 3}}
+
+    tree = {
+        "w": torch.arange(24, dtype=torch.float32).reshape(4, 6),
+        "b": torch.arange(5, dtype=torch.int64),
+        "n": np.arange(6, dtype=np.float32),
+        "meta": {"name": "x", "epoch": 3},
+    }
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "base.frk")
         fr.save(tree, p)
         raw = open(p, "rb").read()
     L = Layout.parse(raw)
     assert [b[1] for b in L.blobs] == [96, 40, 24]
-    assert [(t["kind"], t["dtype"], t["sizes"]) for t in L.tensors] == [(0, 11, [4, 6]), (0, 5, [5]),
-                                                                          (1, 11, [6])]
+    assert [(t["kind"], t["dtype"], t["sizes"]) for t in L.tensors] == [(0, 11, [4, 6]), (0, 5, [5]), (1, 11, [6])]
     return L, tree
 
 
@@ -421,15 +455,20 @@ def hostile_cases():
 
     M = L.copy()
     C["control_unchanged"] = (L.seal(), ("ok", canon(tree)))
-    M = L.copy(); M.blobs[1][0] = M.blobs[0][0]
+    M = L.copy()
+    M.blobs[1][0] = M.blobs[0][0]
     C["blob_overlaps_blob"] = (M.seal(fix_blob_crcs=True), ("corrupt", "overlaps another"))
-    M = L.copy(); M.blobs[1][0] = M.blobs[0][0] + 64  # inside blob 0 (96 bytes)
+    M = L.copy()
+    M.blobs[1][0] = M.blobs[0][0] + 64  # inside blob 0 (96 bytes)
     C["blob_overlaps_tail_of_blob"] = (M.seal(fix_blob_crcs=True), ("corrupt", "overlaps another"))
-    M = L.copy(); M.blobs[2][1] = 1 << 40
+    M = L.copy()
+    M.blobs[2][1] = 1 << 40
     C["blob_outside_the_data_area"] = (M.seal(), ("corrupt", "outside the data area"))
-    M = L.copy(); M.blobs[2][0] = 1 << 62
+    M = L.copy()
+    M.blobs[2][0] = 1 << 62
     C["blob_far_past_the_end"] = (M.seal(), ("corrupt", "outside the data area"))
-    M = L.copy(); M.blobs[0][1] = (1 << 64) - 1
+    M = L.copy()
+    M.blobs[0][1] = (1 << 64) - 1
     C["blob_length_overflows"] = (M.seal(), ("corrupt", "outside the data area"))
     C["blob_count_2^62"] = (L.seal(nb=1 << 62), ("corrupt", "blob count 4611686018427387904"))
     C["blob_count_2^64-1"] = (L.seal(nb=(1 << 64) - 1), ("corrupt", "does not fit in the index"))
@@ -437,37 +476,56 @@ def hostile_cases():
     C["tensor_count_1000"] = (L.seal(nt=1000), ("corrupt", "tensor count 1000"))
 
     C["tensor_shape_needs_more_than_blob"] = (
-        with_tensor(L, 0, sizes=[4, 7], strides=[7, 1]).seal(), ("corrupt", "needs 112 bytes of blob 0"))
+        with_tensor(L, 0, sizes=[4, 7], strides=[7, 1]).seal(),
+        ("corrupt", "needs 112 bytes of blob 0"),
+    )
     C["tensor_stride_needs_more_than_blob"] = (
-        with_tensor(L, 0, sizes=[4, 6], strides=[7, 1]).seal(), ("corrupt", "needs 108 bytes"))
+        with_tensor(L, 0, sizes=[4, 6], strides=[7, 1]).seal(),
+        ("corrupt", "needs 108 bytes"),
+    )
     C["tensor_offset_needs_more_than_blob"] = (
-        with_tensor(L, 1, soff=1).seal(), ("corrupt", "needs 48 bytes of blob 1"))
-    C["tensor_size_2^40"] = (with_tensor(L, 0, sizes=[1 << 40], strides=[1]).seal(),
-                             ("corrupt", "needs 4398046511104 bytes"))
-    C["tensor_size_2^62_stride_1"] = (with_tensor(L, 0, sizes=[1 << 62], strides=[1]).seal(),
-                                      ("corrupt", "impossible shape"))
+        with_tensor(L, 1, soff=1).seal(),
+        ("corrupt", "needs 48 bytes of blob 1"),
+    )
+    C["tensor_size_2^40"] = (
+        with_tensor(L, 0, sizes=[1 << 40], strides=[1]).seal(),
+        ("corrupt", "needs 4398046511104 bytes"),
+    )
+    C["tensor_size_2^62_stride_1"] = (
+        with_tensor(L, 0, sizes=[1 << 62], strides=[1]).seal(),
+        ("corrupt", "impossible shape"),
+    )
     C["tensor_shape_product_overflow"] = (
         with_tensor(L, 0, sizes=[1 << 32, 1 << 32, 4], strides=[0, 0, 0]).seal(),
-        ("corrupt", "impossible shape"))
-    C["tensor_storage_offset_2^63"] = (with_tensor(L, 0, soff=1 << 63).seal(),
-                                       ("corrupt", "impossible shape or stride"))
-    C["tensor_negative_stride"] = (with_tensor(L, 0, sizes=[4, 6], strides=[-6, 1], soff=18).seal(),
-                                   ("corrupt", "impossible shape or stride"))
-    C["tensor_negative_size"] = (with_tensor(L, 0, sizes=[-4, 6], strides=[6, 1]).seal(),
-                                 ("corrupt", "impossible shape"))
+        ("corrupt", "impossible shape"),
+    )
+    C["tensor_storage_offset_2^63"] = (
+        with_tensor(L, 0, soff=1 << 63).seal(),
+        ("corrupt", "impossible shape or stride"),
+    )
+    C["tensor_negative_stride"] = (
+        with_tensor(L, 0, sizes=[4, 6], strides=[-6, 1], soff=18).seal(),
+        ("corrupt", "impossible shape or stride"),
+    )
+    C["tensor_negative_size"] = (
+        with_tensor(L, 0, sizes=[-4, 6], strides=[6, 1]).seal(),
+        ("corrupt", "impossible shape"),
+    )
     C["tensor_bad_dtype_99"] = (with_tensor(L, 0, dtype=99).seal(), ("corrupt", "unknown dtype code 99"))
     C["tensor_bad_kind_7"] = (with_tensor(L, 0, kind=7).seal(), ("corrupt", "unknown kind 7"))
-    C["tensor_ndim_33"] = (with_tensor(L, 0, sizes=[1] * 33, strides=[1] * 33).seal(),
-                           ("corrupt", "33 dimensions"))
+    C["tensor_ndim_33"] = (with_tensor(L, 0, sizes=[1] * 33, strides=[1] * 33).seal(), ("corrupt", "33 dimensions"))
     C["tensor_ndim_65535_claimed"] = (with_tensor(L, 0, ndim=65535).seal(), ("corrupt", "65535 dimensions"))
     C["tensor_blob_out_of_range"] = (with_tensor(L, 0, blob=3).seal(), ("corrupt", "refers to blob 3 of 3"))
     C["tensor_reserved_bytes"] = (with_tensor(L, 1, resv=1).seal(), ("corrupt", "reserved bytes"))
-    C["numpy_kind_with_bfloat16"] = (with_tensor(L, 2, dtype=10, sizes=[12], strides=[1]).seal(),
-                                     ("corrupt", "not a NumPy dtype"))
+    C["numpy_kind_with_bfloat16"] = (
+        with_tensor(L, 2, dtype=10, sizes=[12], strides=[1]).seal(),
+        ("corrupt", "not a NumPy dtype"),
+    )
     # a near miss: a strided view that exactly fits
     C["control_tensor_view_fits"] = (
         with_tensor(L, 0, sizes=[2, 3], strides=[12, 2], soff=1).seal(),
-        ("ok_tensor", ["w", [2, 3], [12, 2], [[1.0, 3.0, 5.0], [13.0, 15.0, 17.0]]]))
+        ("ok_tensor", ["w", [2, 3], [12, 2], [[1.0, 3.0, 5.0], [13.0, 15.0, 17.0]]]),
+    )
 
     C["tree_nesting_65"] = (with_tree(L, nested(65)).seal(), ("corrupt", "nested deeper than 64 levels"))
     C["tree_nesting_65_dicts"] = (with_tree(L, nested(65, "dict")).seal(), ("corrupt", "nested deeper"))
@@ -476,34 +534,54 @@ def hostile_cases():
     for _ in range(64):
         deep = [deep]
     C["control_tree_nesting_64"] = (with_tree(L, nested(64)).seal(), ("ok", canon(deep)))
-    C["str_claims_2^62_bytes"] = (with_tree(L, t_str(b"abc", claim=1 << 62)).seal(),
-                                  ("corrupt", "claims 4611686018427387904 bytes, only 3 remain"))
-    C["bytes_claims_4_of_3"] = (with_tree(L, t_str(b"abc", "bytes", claim=4)).seal(),
-                                ("corrupt", "claims 4 bytes, only 3 remain"))
+    C["str_claims_2^62_bytes"] = (
+        with_tree(L, t_str(b"abc", claim=1 << 62)).seal(),
+        ("corrupt", "claims 4611686018427387904 bytes, only 3 remain"),
+    )
+    C["bytes_claims_4_of_3"] = (
+        with_tree(L, t_str(b"abc", "bytes", claim=4)).seal(),
+        ("corrupt", "claims 4 bytes, only 3 remain"),
+    )
     C["str_utf8_surrogate"] = (with_tree(L, t_str(b"\xed\xa0\x80")).seal(), ("corrupt", "not valid UTF-8"))
     C["str_utf8_overlong"] = (with_tree(L, t_str(b"\xc0\xaf")).seal(), ("corrupt", "not valid UTF-8"))
-    C["str_utf8_above_10ffff"] = (with_tree(L, t_str(b"\xf4\x90\x80\x80")).seal(),
-                                  ("corrupt", "not valid UTF-8"))
-    C["control_bytes_not_utf8"] = (with_tree(L, t_str(b"\xc0\xaf\xed\xa0\x80", "bytes")).seal(),
-                                   ("ok", canon(b"\xc0\xaf\xed\xa0\x80")))
-    C["control_str_max_code_point"] = (with_tree(L, t_str("\U0010ffff".encode())).seal(),
-                                       ("ok", canon("\U0010ffff")))
-    C["list_claims_2^40_items"] = (with_tree(L, t_word("list", 1 << 40) + b"\x00" * 4).seal(),
-                                   ("corrupt", "claims 1099511627776 items, only 4 bytes remain"))
-    C["dict_claims_2^63_pairs"] = (with_tree(L, t_word("dict", 1 << 63) + b"\x00" * 16).seal(),
-                                   ("corrupt", "claims 9223372036854775808 items"))
-    C["dict_key_none"] = (with_tree(L, t_word("dict", 1) + b"\x00" + t_int(1)).seal(),
-                          ("corrupt", "is tag 0, not str or int"))
-    C["dict_key_float"] = (with_tree(L, t_word("dict", 1) + t_word("float", 0) + b"\x00").seal(),
-                           ("corrupt", "is tag 4, not str or int"))
-    C["dict_key_tensor"] = (with_tree(L, t_word("dict", 1) + t_word("tensor", 0) + b"\x00").seal(),
-                            ("corrupt", "is tag 10, not str or int"))
-    C["dict_repeated_key"] = (with_tree(L, t_word("dict", 2) + t_str(b"a") + t_int(1) + t_str(b"a")
-                                        + t_int(2)).seal(), ("corrupt", "repeats a key"))
-    C["tensor_reference_3_of_3"] = (with_tree(L, t_word("tensor", 3)).seal(),
-                                    ("corrupt", "tensor reference 3 at byte 0, but the table holds 3"))
-    C["tensor_reference_2^64-1"] = (with_tree(L, t_word("tensor", (1 << 64) - 1)).seal(),
-                                    ("corrupt", "tensor reference"))
+    C["str_utf8_above_10ffff"] = (with_tree(L, t_str(b"\xf4\x90\x80\x80")).seal(), ("corrupt", "not valid UTF-8"))
+    C["control_bytes_not_utf8"] = (
+        with_tree(L, t_str(b"\xc0\xaf\xed\xa0\x80", "bytes")).seal(),
+        ("ok", canon(b"\xc0\xaf\xed\xa0\x80")),
+    )
+    C["control_str_max_code_point"] = (with_tree(L, t_str("\U0010ffff".encode())).seal(), ("ok", canon("\U0010ffff")))
+    C["list_claims_2^40_items"] = (
+        with_tree(L, t_word("list", 1 << 40) + b"\x00" * 4).seal(),
+        ("corrupt", "claims 1099511627776 items, only 4 bytes remain"),
+    )
+    C["dict_claims_2^63_pairs"] = (
+        with_tree(L, t_word("dict", 1 << 63) + b"\x00" * 16).seal(),
+        ("corrupt", "claims 9223372036854775808 items"),
+    )
+    C["dict_key_none"] = (
+        with_tree(L, t_word("dict", 1) + b"\x00" + t_int(1)).seal(),
+        ("corrupt", "is tag 0, not str or int"),
+    )
+    C["dict_key_float"] = (
+        with_tree(L, t_word("dict", 1) + t_word("float", 0) + b"\x00").seal(),
+        ("corrupt", "is tag 4, not str or int"),
+    )
+    C["dict_key_tensor"] = (
+        with_tree(L, t_word("dict", 1) + t_word("tensor", 0) + b"\x00").seal(),
+        ("corrupt", "is tag 10, not str or int"),
+    )
+    C["dict_repeated_key"] = (
+        with_tree(L, t_word("dict", 2) + t_str(b"a") + t_int(1) + t_str(b"a") + t_int(2)).seal(),
+        ("corrupt", "repeats a key"),
+    )
+    C["tensor_reference_3_of_3"] = (
+        with_tree(L, t_word("tensor", 3)).seal(),
+        ("corrupt", "tensor reference 3 at byte 0, but the table holds 3"),
+    )
+    C["tensor_reference_2^64-1"] = (
+        with_tree(L, t_word("tensor", (1 << 64) - 1)).seal(),
+        ("corrupt", "tensor reference"),
+    )
     C["unknown_tag_11"] = (with_tree(L, b"\x0b").seal(), ("corrupt", "unknown value tag 11"))
     C["stray_bytes_after_tree"] = (with_tree(L, L.tree + b"\x00").seal(), ("corrupt", "1 stray bytes"))
     C["tree_length_word_short"] = (L.seal(tree_len=len(L.tree) - 1), ("corrupt", "value tree claims"))
@@ -515,30 +593,43 @@ def hostile_cases():
     # Shapes that fit their blob but that torch / NumPy cannot build (they count elements, bytes
     # and byte strides in int64): load() must still raise CheckpointError, never ValueError.
     C["torch_broadcast_numel_over_int64"] = (
-        with_tensor(L, 0, sizes=[1 << 62, 3], strides=[0, 0]).seal(), ("corrupt", "impossible shape"))
+        with_tensor(L, 0, sizes=[1 << 62, 3], strides=[0, 0]).seal(),
+        ("corrupt", "impossible shape"),
+    )
     C["numpy_broadcast_bytes_over_int64"] = (
-        with_tensor(L, 2, sizes=[1 << 31, 1 << 31], strides=[0, 0]).seal(), ("corrupt", "impossible"))
+        with_tensor(L, 2, sizes=[1 << 31, 1 << 31], strides=[0, 0]).seal(),
+        ("corrupt", "impossible"),
+    )
     C["numpy_empty_with_huge_dims"] = (
-        with_tensor(L, 2, sizes=[0, 1 << 62, 1 << 62], strides=[0, 0, 0]).seal(), ("corrupt", "impossible"))
+        with_tensor(L, 2, sizes=[0, 1 << 62, 1 << 62], strides=[0, 0, 0]).seal(),
+        ("corrupt", "impossible"),
+    )
     C["numpy_size1_dim_byte_stride_over_int64"] = (
-        with_tensor(L, 2, sizes=[1, 6], strides=[1 << 62, 1]).seal(), ("corrupt", "impossible"))
+        with_tensor(L, 2, sizes=[1, 6], strides=[1 << 62, 1]).seal(),
+        ("corrupt", "impossible"),
+    )
     # What a load materialises stays within the file: no tensor holds more bytes than its blob
     # (a 2^27-element stride-0 tensor in a small file made fit() allocate until the process died).
     C["stride_0_tensor_of_2^27_elements"] = (
         with_tensor(L, 0, sizes=[1 << 27], strides=[0]).seal(),
-        ("corrupt", "tensor 0 holds 536870912 bytes of elements but its blob 0 stores 96"))
-    C["broadcast_2^60_elements"] = (with_tensor(L, 0, sizes=[1 << 30, 1 << 30], strides=[0, 0]).seal(),
-                                    ("corrupt", "may not be larger than its stored bytes"))
+        ("corrupt", "tensor 0 holds 536870912 bytes of elements but its blob 0 stores 96"),
+    )
+    C["broadcast_2^60_elements"] = (
+        with_tensor(L, 0, sizes=[1 << 30, 1 << 30], strides=[0, 0]).seal(),
+        ("corrupt", "may not be larger than its stored bytes"),
+    )
     C["control_overlapping_rows_that_fit"] = (  # overlapping, but no more bytes than the blob: loads
         with_tensor(L, 0, sizes=[4, 6], strides=[0, 1]).seal(),
-        ("ok_tensor", ["w", [4, 6], [0, 1], [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 4]))
+        ("ok_tensor", ["w", [4, 6], [0, 1], [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]] * 4]),
+    )
     C["control_empty_with_huge_stride"] = (
         with_tensor(L, 2, sizes=[0, 6], strides=[(1 << 63) - 1, 1]).seal(),
-        ("ok_tensor", ["n", [0, 6], None, []]))
+        ("ok_tensor", ["n", [0, 6], None, []]),
+    )
     return C
 
 
-HOSTILE_CHILD = r'''
+HOSTILE_CHILD = r"""
 cases = json.loads(open(sys.argv[1]).read())
 for name, path in cases:
     print("CASE " + name, flush=True)  # a crash leaves this as the last line
@@ -561,7 +652,7 @@ for name, path in cases:
         r = ["other", type(e).__name__ + ": " + str(e)[:300]]
     print("R " + json.dumps([name, r]), flush=True)
 emit("done")
-'''
+"""
 
 _CASES = hostile_cases()
 
@@ -612,8 +703,10 @@ def test_hostile_batch_exited_cleanly(hostile_results):
 
 # ---- pickle payloads are never unpickled -------------------------------------------------------------
 
+
 class _Evil:
     "Unpickling this calls open(marker, 'w'): the marker file appears."
+
     def __init__(self, marker):
         self.marker = marker
 
@@ -621,7 +714,7 @@ class _Evil:
         return (open, (self.marker, "w"))
 
 
-PICKLE_CHILD = r'''
+PICKLE_CHILD = r"""
 import pickle
 marker, listing = sys.argv[1], json.loads(open(sys.argv[2]).read())
 out = {}
@@ -652,7 +745,7 @@ import torch
 torch.load(dict(listing)["torch_save"], weights_only=False)
 out["control_torch_load_creates_marker"] = os.path.exists(marker)
 emit(out)
-'''
+"""
 
 
 def prepare_pickle(tmp_path):
@@ -694,8 +787,15 @@ def test_pickle_payloads_are_never_unpickled(children):
     marker, files, tree = ctx["marker"], ctx["files"], ctx["tree"]
     rc, res, out, _ = child.result()
     assert rc == 0, crashed(rc, out)
-    for name in ("pure_pickle", "short_pickle", "torch_save", "torch_legacy", "magic_then_pickle",
-                 "magic_then_torch_zip", "magic_pickle_footer_magic"):
+    for name in (
+        "pure_pickle",
+        "short_pickle",
+        "torch_save",
+        "torch_legacy",
+        "magic_then_pickle",
+        "magic_then_torch_zip",
+        "magic_pickle_footer_magic",
+    ):
         got, msg, info, is_ckpt, marker_seen = res[name]
         assert got == "CheckpointError", (name, got, msg)
         assert files[name] in msg
@@ -716,7 +816,7 @@ def test_pickle_payloads_are_never_unpickled(children):
 
 # ---- a save that hits the file-size limit ---------------------------------------------------------------
 
-FSIZE_CHILD = r'''
+FSIZE_CHILD = r"""
 import errno, resource, signal
 import torch
 path, limit = sys.argv[1], int(sys.argv[2])
@@ -731,7 +831,7 @@ except OSError as e:
 except BaseException as e:
     r = [type(e).__name__, 0, str(e)]
 emit(r)
-'''
+"""
 
 
 def prepare_fsize(d):
@@ -769,7 +869,7 @@ def test_save_hitting_the_file_size_limit_keeps_the_old_checkpoint(children):
 
 # ---- a path that is not a regular file ----------------------------------------------------------------
 
-FIFO_CHILD = r'''
+FIFO_CHILD = r"""
 import signal
 signal.alarm(5)  # the default action kills the child if the load blocks
 try:
@@ -782,7 +882,8 @@ except BaseException as e:
 r.append(fr.is_checkpoint(sys.argv[1]))  # must not block either
 signal.alarm(0)
 emit(r)
-'''
+"""
+
 
 def prepare_fifo(d):
     fifo = d / "ckpt.frk"
@@ -809,14 +910,20 @@ def test_verify_command_skips_a_fifo_instead_of_hanging(tmp_path):
     fr.save({"x": 1}, tmp_path / "good.frk")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for target in (fifo, tmp_path):
-        r = subprocess.run([sys.executable, "-m", "fastai_resume", "verify", str(target)], env=env,
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "fastai_resume", "verify", str(target)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
         assert f"SKIP {fifo}" in r.stdout or (target == tmp_path and "ckpt.frk" not in r.stdout)
     assert f"OK   {tmp_path / 'good.frk'}" in r.stdout
 
 
 # ---- paths the error messages must survive ---------------------------------------------------------
+
 
 def test_a_non_utf8_path_in_an_error_is_escaped_not_a_unicode_error(tmp_path):
     bad_dir = tmp_path / os.fsdecode(b"no-such-\xff\xfe-dir")
@@ -830,12 +937,12 @@ def test_a_non_utf8_path_in_an_error_is_escaped_not_a_unicode_error(tmp_path):
 @pytest.mark.parametrize("pad", range(4))
 def test_an_error_about_a_long_path_is_cut_between_characters(tmp_path, pad):
     "The C message buffer is cut at a character boundary (4-byte characters: 3 in 4 cuts would split one)."
-    deep = tmp_path / ("x" * pad + "\U0001F600" * 60) / ("\U0001F600" * 60) / "x.frk"
+    deep = tmp_path / ("x" * pad + "\U0001f600" * 60) / ("\U0001f600" * 60) / "x.frk"
     with pytest.raises(OSError) as e:
         fr.save({"x": 1}, deep)
     msg = str(e.value)
     assert e.value.errno in (errno.ENOENT, errno.ENAMETOOLONG) and msg.endswith("...")
-    assert "\U0001F600" * 10 in msg and "\\x" not in msg  # whole characters, none escaped
+    assert "\U0001f600" * 10 in msg and "\\x" not in msg  # whole characters, none escaped
 
 
 def test_a_name_of_240_or_255_bytes_saves_and_loads(tmp_path):
@@ -850,13 +957,19 @@ def test_a_name_of_240_or_255_bytes_saves_and_loads(tmp_path):
 
 # ---- every child starts at once ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def children(small_ckpt, tmp_path_factory):
     """Prepares the inputs of every subprocess test, then starts all the children together, so
     their interpreter start-ups (torch + fastai, several seconds each) overlap."""
-    prepare = {"truncation": lambda d: prepare_truncation(d, small_ckpt),
-               "flips": lambda d: prepare_flips(d, small_ckpt), "hostile": prepare_hostile,
-               "pickle": prepare_pickle, "fsize": prepare_fsize, "fifo": prepare_fifo}
+    prepare = {
+        "truncation": lambda d: prepare_truncation(d, small_ckpt),
+        "flips": lambda d: prepare_flips(d, small_ckpt),
+        "hostile": prepare_hostile,
+        "pickle": prepare_pickle,
+        "fsize": prepare_fsize,
+        "fifo": prepare_fifo,
+    }
     started = {}
     try:
         for name, fn in prepare.items():

@@ -1,26 +1,30 @@
 """Learner.save / Learner.load on real fastai learners: the new format, vanilla .pth files, and
 the rules of with_iter."""
+
 import os
 import sys
 
 import pytest
 import torch
+from trainer import build
 
 import fastai_resume as fr
 
-from trainer import build
-
 
 def tensors_equal(a, b):
-    if isinstance(a, torch.Tensor): return torch.equal(a, b)
-    if isinstance(a, dict): return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
     return a == b
 
 
 def trained(tmp_path, **kw):
     learn = build(tmp_path, **kw)
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3)
     return learn
 
 
@@ -62,7 +66,8 @@ def test_newest_of_name_frk_and_name_pth_is_loaded(tmp_path):
     learn = trained(tmp_path)
     learn.save("m")  # .pth
     w_pth = {k: v.clone() for k, v in learn.model.state_dict().items()}
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3)
     learn.save("m", with_iter=True)  # .frk, newer
     fresh = build(tmp_path)
     fresh.load("m")
@@ -83,7 +88,8 @@ def test_save_outside_fit_carries_no_position(tmp_path):
     fresh = build(tmp_path)
     fresh.load("m")
     assert fr.session.script(fresh).armed is None
-    with fresh.no_bar(), fresh.no_logging(): fresh.fit(1, 1e-3)
+    with fresh.no_bar(), fresh.no_logging():
+        fresh.fit(1, 1e-3)
     assert len(fresh.recorder.losses) == len(fresh.dls.train)  # nothing skipped
 
 
@@ -135,18 +141,27 @@ print("ok")
 
 def test_import_patches_idempotently_lazily_and_keeps_signatures():
     import subprocess
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", _PATCH_TWICE], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=root, PYTHONWARNINGS="ignore"))
+    p = subprocess.run(
+        [sys.executable, "-c", _PATCH_TWICE],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=root, PYTHONWARNINGS="ignore"),
+    )
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stdout + p.stderr
 
 
 def test_the_package_builds_as_a_wheel_with_extension_stub_and_marker(tmp_path):
     import subprocess
     import zipfile
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path), root], capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), root],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     wheel = next(tmp_path.glob("fastai_resume-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
@@ -157,7 +172,10 @@ def test_the_package_builds_as_a_wheel_with_extension_stub_and_marker(tmp_path):
 
 class _SaveAt(__import__("fastai.callback.core", fromlist=["Callback"]).Callback):
     order = 100
-    def __init__(self, k): self.k = k
+
+    def __init__(self, k):
+        self.k = k
+
     def after_batch(self):
         if self.training and self.iter + 1 == self.k:
             self.learn.save("mid", with_iter=True)
@@ -166,15 +184,19 @@ class _SaveAt(__import__("fastai.callback.core", fromlist=["Callback"]).Callback
 
 def test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list(tmp_path):
     from fastai.callback.core import Callback
+
     ref = trained(tmp_path)  # one uninterrupted epoch
     learn = build(tmp_path)
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=_SaveAt(7))
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=_SaveAt(7))
     seen = {}
 
     class Probe(Callback):
         order = 1000
+
         def before_train(self):
-            if seen: return
+            if seen:
+                return
             rec = self.learn.recorder
             seen["pending_at_first_batch"] = rec.__dict__["losses"] == []  # nothing built yet
             seen["pickled"] = set(rec.__getstate__())  # what pickle (learn.export) would store
@@ -183,7 +205,8 @@ def test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list(tmp_path):
 
     fresh = build(tmp_path)
     fresh.load("mid")
-    with fresh.no_bar(), fresh.no_logging(): fresh.fit(1, 1e-3, cbs=Probe())
+    with fresh.no_bar(), fresh.no_logging():
+        fresh.fit(1, 1e-3, cbs=Probe())
     assert seen["pending_at_first_batch"] and seen["n_read"] == 7
     assert "losses" not in seen["pickled"] and "_state" not in seen["pickled"]
     losses = fresh.recorder.losses

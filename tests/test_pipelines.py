@@ -2,8 +2,8 @@
 is killed by SIGKILL mid-epoch after a save, run again in a new process with `learn.load`, and must
 end bitwise equal to its uninterrupted run (model, optimizer, Recorder, the next draw of every RNG);
 a stream that cannot be resumed exactly is refused with what to do."""
-import pytest
 
+import pytest
 from procs import assert_same_result, crash_and_rerun, equal, workload_reference
 
 

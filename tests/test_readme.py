@@ -9,6 +9,7 @@ the CPU. What a block promises beyond running is checked by its section's entry 
 A README sentence cites the test that proves it as `` `tests/test_x.py::test_name` `` (or a whole
 file as `` `tests/test_x.py` ``); a citation of a test that does not exist fails here.
 """
+
 import ast
 import os
 import re
@@ -22,9 +23,11 @@ import fastai_resume as fr
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")  # CPU: the README's `cpu=True`
+ENV = dict(
+    os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1"
+)  # CPU: the README's `cpu=True`
 
-PRELUDE = '''\
+PRELUDE = """\
 # The user's own script up to the README's block: fastai's names, their data and their model
 # (420 of scikit-learn's digits), with fastai's default paths (relative to the working directory).
 import torch
@@ -40,15 +43,17 @@ dls = DataBlock(blocks=(TransformBlock, CategoryBlock), get_x=ItemGetter(0), get
                 splitter=IndexSplitter(range(320, 420))).dataloaders(items, bs=32, device="cpu")
 model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 # ---- the README's block, as written ----
-'''
+"""
 
 
 def code_blocks(text):
     "(section heading, language, code) of every fenced block, in order."
     out, heading = [], ""
     for m in re.finditer(r"^(#+) ([^\n]*)$|^```(\w*)\n(.*?)^```$", text, re.M | re.S):
-        if m.group(1): heading = m.group(2).strip()
-        else: out.append((heading, m.group(3), m.group(4)))
+        if m.group(1):
+            heading = m.group(2).strip()
+        else:
+            out.append((heading, m.group(3), m.group(4)))
     return out
 
 
@@ -56,9 +61,16 @@ def _defined(tree, parts):
     "True if `parts` (a function, a class, or Class::method) is defined at the top of `tree`."
     body = tree.body
     for part in parts:
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
-        if node is None: return False
+        node = next(
+            (
+                n
+                for n in body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part
+            ),
+            None,
+        )
+        if node is None:
+            return False
         body = getattr(node, "body", [])
     return True
 
@@ -79,14 +91,16 @@ def quick_start(cwd, out):
     "AutoCheckpoint keeps the newest 3; the manual save is a valid checkpoint under models/."
     names = _models(cwd)
     assert len([n for n in names if n.startswith("auto-")]) == 3 and "ckpt.frk" in names, names
-    for n in names: fr.info(cwd / "models" / n, verify=True)
+    for n in names:
+        fr.info(cwd / "models" / n, verify=True)
 
 
 def data_parallel(cwd, out):
     "Rank 0 alone writes each checkpoint; the default keep=3 holds."
     names = _models(cwd)
     assert len(names) == 3 and all(n.startswith("auto-") and n.endswith(".frk") for n in names), names
-    for n in names: fr.info(cwd / "models" / n, verify=True)
+    for n in names:
+        fr.info(cwd / "models" / n, verify=True)
 
 
 def several_stages(cwd, out):
@@ -96,16 +110,27 @@ def several_stages(cwd, out):
     assert (cwd / "history.csv").read_text().count("epoch,") >= 3
 
 
-PROMISES = {"Quick start": quick_start, "A script of several stages": several_stages,
-            "Data-parallel training (DDP through `distrib_ctx`)": data_parallel}
+PROMISES = {
+    "Quick start": quick_start,
+    "A script of several stages": several_stages,
+    "Data-parallel training (DDP through `distrib_ctx`)": data_parallel,
+}
 KNOWN_FAILURES: dict = {}  # section: why its block fails today (strict: the marker goes when the README is fixed)
 PYTHON_BLOCKS = [(h, code) for h, lang, code in code_blocks(README) if lang == "python"]
 
 
-@pytest.mark.parametrize("heading,code", [
-    pytest.param(h, code, id=re.sub(r"\W+", "-", h.lower()).strip("-"),
-                 marks=[pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[h])] if h in KNOWN_FAILURES else [])
-    for h, code in PYTHON_BLOCKS])
+@pytest.mark.parametrize(
+    "heading,code",
+    [
+        pytest.param(
+            h,
+            code,
+            id=re.sub(r"\W+", "-", h.lower()).strip("-"),
+            marks=[pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[h])] if h in KNOWN_FAILURES else [],
+        )
+        for h, code in PYTHON_BLOCKS
+    ],
+)
 def test_the_readme_python_block_runs_as_written(heading, code, tmp_path):
     assert heading in PROMISES, f"say in PROMISES what the block of '{heading}' promises, and check it"
     (tmp_path / "train.py").write_text(PRELUDE + code)
@@ -129,10 +154,15 @@ def test_every_test_the_readme_cites_exists():
 
 
 def test_a_citation_of_a_missing_test_is_found(tmp_path):
-    text = ("Proven by `tests/test_cli.py::test_verify_of_a_good_checkpoint_is_one_ok_line`, "
-            "`tests/test_cli.py::test_inspect_of_a_file_that_is_not_a_checkpoint_is_one_error_line[empty]`, "
-            "`tests/test_readme.py` and `tests/test_readme.py::test_a_citation_of_a_missing_test_is_found`; "
-            "not by `tests/test_cli.py::test_that_was_renamed`, `tests/test_gone.py` or "
-            "`tests/test_readme.py::test_a_citation_of_a_missing_test_is_found::inner`.")
-    assert list(missing_tests(text)) == ["tests/test_cli.py::test_that_was_renamed", "tests/test_gone.py",
-                                         "tests/test_readme.py::test_a_citation_of_a_missing_test_is_found::inner"]
+    text = (
+        "Proven by `tests/test_cli.py::test_verify_of_a_good_checkpoint_is_one_ok_line`, "
+        "`tests/test_cli.py::test_inspect_of_a_file_that_is_not_a_checkpoint_is_one_error_line[empty]`, "
+        "`tests/test_readme.py` and `tests/test_readme.py::test_a_citation_of_a_missing_test_is_found`; "
+        "not by `tests/test_cli.py::test_that_was_renamed`, `tests/test_gone.py` or "
+        "`tests/test_readme.py::test_a_citation_of_a_missing_test_is_found::inner`."
+    )
+    assert list(missing_tests(text)) == [
+        "tests/test_cli.py::test_that_was_renamed",
+        "tests/test_gone.py",
+        "tests/test_readme.py::test_a_citation_of_a_missing_test_is_found::inner",
+    ]

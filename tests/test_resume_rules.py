@@ -1,24 +1,25 @@
 """When a fit resumes and how the caller overrides it; index-level skipping; the fastai resume
 defects fixed on the way (#3780, #3844, fit_flat_cos ignoring start_epoch); the C state machine."""
-import os
-import sys
 
 import pytest
-
-from fastai_resume import _core
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import ShowGraphCallback
 from fastai.callback.tracker import SaveModelCallback
-
 from trainer import build
+
+from fastai_resume import _core
 
 N_ITER = 46
 
 
 class StopAt(Callback):
     "Saves a resumable checkpoint after k batches of epoch e and stops the fit (an in-process 'crash')."
+
     order = 100
-    def __init__(self, e, k): self.at = (e, k)
+
+    def __init__(self, e, k):
+        self.at = (e, k)
+
     def after_batch(self):
         if self.training and (self.epoch, self.iter + 1) == self.at:
             self.learn.save("ck", with_iter=True)
@@ -27,7 +28,10 @@ class StopAt(Callback):
 
 class CountItems:
     "Counts the items the training DataLoader actually loads."
-    def __init__(self): self.n = 0
+
+    def __init__(self):
+        self.n = 0
+
     def __call__(self, item):
         self.n += 1
         return item
@@ -35,7 +39,8 @@ class CountItems:
 
 def checkpoint(tmp_path, e=1, k=10, n_epoch=3):
     learn = build(tmp_path, noise=False)
-    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(n_epoch, 1e-2, cbs=StopAt(e, k))
+    with learn.no_bar(), learn.no_logging():
+        learn.fit_one_cycle(n_epoch, 1e-2, cbs=StopAt(e, k))
     return learn
 
 
@@ -46,7 +51,8 @@ def fresh(tmp_path, **kw):
 
 
 def fit(learn, *a, **kw):
-    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(*a, **kw)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit_one_cycle(*a, **kw)
     return learn
 
 
@@ -82,10 +88,13 @@ def test_loading_arms_only_the_next_fit(tmp_path):
     assert len(learn.recorder.losses) == N_ITER
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(n_epoch=4), "n_epoch 3 -> 4"),
-    (dict(bs=16), "batch size 32 -> 16"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(n_epoch=4), "n_epoch 3 -> 4"),
+        (dict(bs=16), "batch size 32 -> 16"),
+    ],
+)
 def test_a_different_fit_is_refused_unless_overridden(tmp_path, capsys, change, message):
     checkpoint(tmp_path)
     learn = fresh(tmp_path, bs=change.get("bs", 32))
@@ -111,7 +120,8 @@ def test_show_graph_callback_with_skipped_epochs_fastai_3844(tmp_path):
 
 def test_fit_flat_cos_honours_start_epoch(tmp_path):
     learn = build(tmp_path, noise=False)
-    with learn.no_bar(), learn.no_logging(): learn.fit_flat_cos(3, 1e-2, start_epoch=2)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit_flat_cos(3, 1e-2, start_epoch=2)
     assert len(learn.recorder.losses) == N_ITER
 
 
@@ -122,8 +132,11 @@ def test_progress_bar_starts_at_the_resumed_batch(tmp_path):
 
     class Peek(Callback):
         order = 300
+
         def before_batch(self):
-            if self.training and not seen: seen.append((self.iter, self.learn.progress.pbar.last_v))
+            if self.training and not seen:
+                seen.append((self.iter, self.learn.progress.pbar.last_v))
+
     learn.fit_one_cycle(3, 1e-2, cbs=Peek())
     assert seen == [(25, 25)]
 
@@ -131,12 +144,22 @@ def test_progress_bar_starts_at_the_resumed_batch(tmp_path):
 def test_user_callback_state_hook(tmp_path):
     class Counter(Callback):
         order = 90
-        def __init__(self): self.n = 0
-        def after_batch(self): self.n += 1
-        def resume_state(self): return {"n": self.n}
-        def load_resume_state(self, st): self.n = st["n"]
+
+        def __init__(self):
+            self.n = 0
+
+        def after_batch(self):
+            self.n += 1
+
+        def resume_state(self):
+            return {"n": self.n}
+
+        def load_resume_state(self, st):
+            self.n = st["n"]
+
     learn = build(tmp_path, noise=False, extra_cbs=[Counter()])
-    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2, cbs=StopAt(1, 10))
+    with learn.no_bar(), learn.no_logging():
+        learn.fit_one_cycle(3, 1e-2, cbs=StopAt(1, 10))
     learn = fresh(tmp_path, extra_cbs=[Counter()])
     fit(learn, 3, 1e-2)
     assert learn.counter.n == 3 * N_ITER + 3 * 3  # every training batch and every validation batch
@@ -162,10 +185,13 @@ def test_skip_state_machine_directly():
 
 def test_csv_logger_continues_its_file(tmp_path):
     from fastai.callback.progress import CSVLogger
+
     learn = build(tmp_path, noise=False, extra_cbs=[CSVLogger()])
-    with learn.no_bar(): learn.fit_one_cycle(3, 1e-2, cbs=StopAt(2, 10))
+    with learn.no_bar():
+        learn.fit_one_cycle(3, 1e-2, cbs=StopAt(2, 10))
     before = (tmp_path / "history.csv").read_text().splitlines()
     learn = fresh(tmp_path, extra_cbs=[CSVLogger()])
-    with learn.no_bar(): learn.fit_one_cycle(3, 1e-2)
+    with learn.no_bar():
+        learn.fit_one_cycle(3, 1e-2)
     after = (tmp_path / "history.csv").read_text().splitlines()
     assert len(before) == 3 and len(after) == 4 and after[:3] == before and after[3].startswith("2,")

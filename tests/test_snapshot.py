@@ -1,5 +1,6 @@
 """Background saves copy everything mutable at the batch boundary: what training changes after the
 snapshot is taken never reaches the file, which holds the old values and verifies."""
+
 import numpy as np
 import pytest
 import torch
@@ -9,8 +10,10 @@ from fastai_resume.snapshot import BackgroundCommit, SnapshotPool
 
 
 def state():
-    return {"model": {"w": torch.arange(1_000_000, dtype=torch.float32)},
-            "train": {"cb": {"counts": np.arange(1_000_000, dtype=np.int64), "raw": bytearray(b"abcd")}}}
+    return {
+        "model": {"w": torch.arange(1_000_000, dtype=torch.float32)},
+        "train": {"cb": {"counts": np.arange(1_000_000, dtype=np.int64), "raw": bytearray(b"abcd")}},
+    }
 
 
 def mutate(tree):
@@ -60,8 +63,12 @@ def test_the_second_snapshot_reuses_the_first_ones_buffers_and_holds_the_new_val
 def test_tensors_sharing_a_storage_share_it_in_the_snapshot_and_in_the_file(tmp_path):
     base = torch.arange(10.0)
     snap = SnapshotPool().snapshot({"a": base, "b": base[2:5], "c": base.view(2, 5).t()})
-    assert snap["a"].untyped_storage().data_ptr() == snap["b"].untyped_storage().data_ptr() \
-        == snap["c"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    assert (
+        snap["a"].untyped_storage().data_ptr()
+        == snap["b"].untyped_storage().data_ptr()
+        == snap["c"].untyped_storage().data_ptr()
+        != base.untyped_storage().data_ptr()
+    )
     fr.save(snap, tmp_path / "s.frk")
     back = fr.load(tmp_path / "s.frk")
     assert torch.equal(back["c"], base.view(2, 5).t())

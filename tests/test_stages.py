@@ -2,8 +2,8 @@
 fit_one_cycle, freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger), killed by
 SIGKILL in each stage and run again unchanged, ends bitwise equal to the uninterrupted run, history
 file included; a changed script is refused with what differs."""
-import pytest
 
+import pytest
 from procs import assert_same_result, crash_and_rerun, workload_reference
 
 STAGES = ("--recipe", "stages")
@@ -14,7 +14,8 @@ def test_killed_in_any_stage_the_rerun_skips_finished_stages_and_is_exact(tmp_ro
     ref = workload_reference(tmp_root, "digits", *STAGES)
     res, log = crash_and_rerun(tmp_path, "digits", die, *STAGES)
     stage = int(die[0])
-    for s in range(stage): assert f"skipping stage {s} (fit_one_cycle)" in log
+    for s in range(stage):
+        assert f"skipping stage {s} (fit_one_cycle)" in log
     assert f"skipping stage {stage}" not in log
     assert_same_result(ref, res)
 
@@ -34,6 +35,7 @@ def test_csv_logger_append_mode_holds_each_row_once(tmp_root, tmp_path):
 
 
 def test_a_changed_script_is_refused_with_the_difference(tmp_path):
-    _, log = crash_and_rerun(tmp_path, "digits", "1,0,10", *STAGES, rerun=("--load", "crash", "--lr", "0.005"),
-                             expect=1)
+    _, log = crash_and_rerun(
+        tmp_path, "digits", "1,0,10", *STAGES, rerun=("--load", "crash", "--lr", "0.005"), expect=1
+    )
     assert "stage 0 of this script differs" in log and "lr_max 0.01 -> 0.005" in log and "resume=False" in log

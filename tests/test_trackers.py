@@ -5,6 +5,7 @@ goes on training, dies by SIGKILL and is restarted in a new process logs, as Ten
 This file is also the training script the tests run as real processes:
 `python tests/test_trackers.py --path DIR --tracker tensorboard|wandb [--save-at E,K --die-at E,K] [--resume NAME]`.
 """
+
 import argparse
 import glob
 import os
@@ -27,42 +28,61 @@ WANDB_ID = "frk-tracker-test"  # the run id a preemptible job passes to wandb.in
 
 # ---- the training script -------------------------------------------------------------------
 
+
 def train(a):
     import fastai_resume.trackers  # (importing the package patches fastai)
-    if a.without_tracker_state: fastai_resume.trackers.HANDLERS.clear()
+
+    if a.without_tracker_state:
+        fastai_resume.trackers.HANDLERS.clear()
     from fastai.callback.core import Callback
     from trainer import build
 
     class SaveThenDie(Callback):
         "A checkpoint at one batch, a crash at a later one: the tracker logs steps in between."
+
         order = 100
+
         def after_batch(self):
-            if not self.training: return
+            if not self.training:
+                return
             at = (self.epoch, self.iter + 1)
-            if at == a.save_at: self.learn.save("crash", with_iter=True)
-            if at == a.die_at: os.kill(os.getpid(), signal.SIGKILL)
+            if at == a.save_at:
+                self.learn.save("crash", with_iter=True)
+            if at == a.die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     if a.tracker == "tensorboard":
         from fastai.callback.tensorboard import TensorBoardCallback
-        cb = TensorBoardCallback(trace_model=False, log_preds=False)  # log_dir=None: fastai's default, runs/<time>_<host>
+
+        cb = TensorBoardCallback(
+            trace_model=False, log_preds=False
+        )  # log_dir=None: fastai's default, runs/<time>_<host>
     else:
-        import wandb
         import fastai.callback.wandb as fastai_wandb
+        import wandb
         from fastai.callback.wandb import WandbCallback
+
         fmt = fastai_wandb._format_config_value
 
-        def tolerant(v):  # fastai 2.8.9-2.8.12 fail on any primitive config value (fastai issue #4173): keep those as they are
-            try: return fmt(v)
-            except TypeError: return v
+        def tolerant(
+            v,
+        ):  # fastai 2.8.9-2.8.12 fail on any primitive config value (fastai issue #4173): keep those as they are
+            try:
+                return fmt(v)
+            except TypeError:
+                return v
+
         fastai_wandb._format_config_value = tolerant
         wandb.init(project="frk", id=WANDB_ID, resume="allow", dir=a.path, mode="offline")
         cb = WandbCallback(log_preds=False)
     learn = build(a.path, extra_cbs=[cb])
     fit_cbs = [SaveThenDie()] if a.save_at else []
-    if a.resume: learn.load(a.resume)
+    if a.resume:
+        learn.load(a.resume)
     with learn.no_bar(), learn.no_logging():
         learn.fit_one_cycle(EPOCHS, 1e-2, cbs=fit_cbs)
-    if a.tracker == "wandb": wandb.finish()
+    if a.tracker == "wandb":
+        wandb.finish()
 
 
 def main(argv=None):
@@ -72,19 +92,35 @@ def main(argv=None):
     ap.add_argument("--save-at", type=lambda s: tuple(map(int, s.split(","))), default=None)
     ap.add_argument("--die-at", type=lambda s: tuple(map(int, s.split(","))), default=None)
     ap.add_argument("--resume", default=None)
-    ap.add_argument("--without-tracker-state", action="store_true",
-                    help="negative control: resume without fastai_resume.trackers' state capture and restore")
+    ap.add_argument(
+        "--without-tracker-state",
+        action="store_true",
+        help="negative control: resume without fastai_resume.trackers' state capture and restore",
+    )
     train(ap.parse_args(argv))
 
 
 # ---- reading what the trackers wrote -------------------------------------------------------
 
+
 def run_script(path, tracker, *args, expect_kill=False):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # a run in this process sets some
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true",
-               WANDB_DISABLE_GIT="true", WANDB_CONSOLE="off")
-    p = subprocess.run([sys.executable, __file__, "--path", str(path), "--tracker", tracker, *args], cwd=path,
-                       capture_output=True, text=True, env=env, timeout=600)
+    env.update(
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_DISABLE_GIT="true",
+        WANDB_CONSOLE="off",
+    )
+    p = subprocess.run(
+        [sys.executable, __file__, "--path", str(path), "--tracker", tracker, *args],
+        cwd=path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert p.returncode == (-signal.SIGKILL if expect_kill else 0), p.stdout + p.stderr
     return p.stdout
 
@@ -92,6 +128,7 @@ def run_script(path, tracker, *args, expect_kill=False):
 def tensorboard_scalars(log_dir) -> dict:
     "What TensorBoard shows for `log_dir`: {tag: [(step, value)]}, events a restart purged left out."
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
     acc = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})  # 0: keep every event
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
@@ -101,6 +138,7 @@ def wandb_records(path) -> list:
     """The records of a W&B offline run file (`run-ID.wandb`): W&B's LevelDB-style log of protobuf
     `Record`s (7-byte header ':W&B' 0xBEE1 version, then 32 KiB blocks of crc32, length, type chunks)."""
     from wandb.proto import wandb_internal_pb2 as pb
+
     data = open(path, "rb").read()
     assert data[:6] == b":W&B\xe1\xbe", f"{path} is not a W&B run file"
     pos, block, raws, buf = 7, 32768, [], b""
@@ -109,15 +147,19 @@ def wandb_records(path) -> list:
         if left < 7:
             pos += left
             continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:  # zero padding to the end of the block
             pos += left
             continue
-        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind == 1: raws.append(chunk)  # a full record
-        elif kind == 2: buf = chunk  # first, middle and last pieces of a record across blocks
-        elif kind == 3: buf += chunk
-        elif kind == 4: raws.append(buf + chunk)
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind == 1:
+            raws.append(chunk)  # a full record
+        elif kind == 2:
+            buf = chunk  # first, middle and last pieces of a record across blocks
+        elif kind == 3:
+            buf += chunk
+        elif kind == 4:
+            raws.append(buf + chunk)
     recs = []
     for raw in raws:
         r = pb.Record()
@@ -132,13 +174,18 @@ TIMING = {"_runtime", "_timestamp", "train_samples_per_sec"}  # wall-clock value
 def wandb_history(run_dir) -> dict:
     "{step: {key: value}} of every history row an offline W&B run logged (timings left out)."
     import json
+
     (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
     out = {}
     for r in wandb_records(path):
-        if r.WhichOneof("record_type") != "history": continue
-        row = {k: json.loads(i.value_json) for i in r.history.item if (k := i.key or "/".join(i.nested_key)) not in TIMING}
+        if r.WhichOneof("record_type") != "history":
+            continue
+        row = {
+            k: json.loads(i.value_json) for i in r.history.item if (k := i.key or "/".join(i.nested_key)) not in TIMING
+        }
         step = row.pop("_step")
-        if row: out.setdefault(step, {}).update(row)
+        if row:
+            out.setdefault(step, {}).update(row)
     return out
 
 
@@ -147,6 +194,7 @@ def wandb_runs(path) -> list:
 
 
 # ---- the tests -----------------------------------------------------------------------------
+
 
 def crash_then_resume(path, control, tracker):
     """Train until the crash in `path`, then resume it there and, from a copy of the crashed run's
@@ -180,7 +228,8 @@ def tensorboard_view(path) -> dict:
     "The scalars of every log dir under `path/runs`, as one run: {tag: [(step, value)]}."
     got = {}
     for d in sorted(glob.glob(str(path / "runs" / "*"))):
-        for tag, pts in tensorboard_scalars(d).items(): got.setdefault(tag, []).extend(pts)
+        for tag, pts in tensorboard_scalars(d).items():
+            got.setdefault(tag, []).extend(pts)
     return got
 
 
@@ -221,22 +270,33 @@ def test_tensorboard_events_before_a_checkpoint_are_on_disk_when_it_is_taken(tmp
     from fastai.callback.core import Callback, CancelFitException
     from fastai.callback.tensorboard import TensorBoardCallback
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from fastai_resume import trackers
     from trainer import build
+
+    from fastai_resume import trackers
+
     on_disk = []
 
     class Checkpoint(Callback):
         order = 100
+
         def after_batch(self):
-            if not (self.training and self.iter == 6): return
+            if not (self.training and self.iter == 6):
+                return
             cb = self.learn.tensor_board
             assert trackers.tensorboard_state(cb) == {"log_dir": str(tmp_path / "tb"), "step": 7}
             (path,) = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
-            on_disk.extend(e.step for e in EventFileLoader(path).Load() if e.summary.value and e.summary.value[0].tag == "train_loss")
+            on_disk.extend(
+                e.step
+                for e in EventFileLoader(path).Load()
+                if e.summary.value and e.summary.value[0].tag == "train_loss"
+            )
             raise CancelFitException()
 
-    learn = build(tmp_path, extra_cbs=[TensorBoardCallback(log_dir=tmp_path / "tb", trace_model=False, log_preds=False)])
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=Checkpoint())
+    learn = build(
+        tmp_path, extra_cbs=[TensorBoardCallback(log_dir=tmp_path / "tb", trace_model=False, log_preds=False)]
+    )
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=Checkpoint())
     assert on_disk == [1, 2, 3, 4, 5, 6, 7]
 
 
@@ -245,18 +305,22 @@ def restore_tensorboard(path, tree, log_dir=None):
     the callbacks' `before_fit`); returns the callback, its writer still as the restore left it."""
     from fastai.callback.core import Callback, CancelFitException
     from fastai.callback.tensorboard import TensorBoardCallback
-    from fastai_resume import trackers
     from trainer import build
+
+    from fastai_resume import trackers
+
     tb = TensorBoardCallback(log_dir=log_dir, trace_model=False, log_preds=False)
 
     class Restore(Callback):
         order = 200
+
         def before_fit(self):
             trackers.load_tensorboard(tb, tree)
             raise CancelFitException()
 
     learn = build(path, extra_cbs=[tb])
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=Restore())
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=Restore())
     return tb
 
 
@@ -264,6 +328,7 @@ def tensorboard_restarts(log_dir) -> list:
     "The steps at which a writer told TensorBoard to purge what earlier files logged from there on."
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.compat.proto.event_pb2 import SessionLog
+
     files = glob.glob(os.path.join(str(log_dir), "events.out.tfevents.*"))
     return [e.step for f in files for e in EventFileLoader(f).Load() if e.session_log.status == SessionLog.START]
 
@@ -289,11 +354,15 @@ def test_tensorboard_a_log_dir_that_is_gone_is_not_recreated(tmp_path, monkeypat
     assert os.path.dirname(tb.writer.log_dir) == "runs" and tensorboard_restarts(tb.writer.log_dir) == []
 
 
-@pytest.mark.parametrize("tree", [{"log_dir": 3, "step": 40}, {"log_dir": "runs/x"}, {"log_dir": "runs/x", "step": True}, [1]],
-                         ids=["log_dir-int", "no-step", "step-bool", "a-list"])
+@pytest.mark.parametrize(
+    "tree",
+    [{"log_dir": 3, "step": 40}, {"log_dir": "runs/x"}, {"log_dir": "runs/x", "step": True}, [1]],
+    ids=["log_dir-int", "no-step", "step-bool", "a-list"],
+)
 def test_tensorboard_state_of_the_wrong_shape_is_a_checkpoint_error(tmp_path, tree):
     pytest.importorskip("tensorboard")
     from fastai_resume import CheckpointError
+
     with pytest.raises(CheckpointError, match="callback state TensorBoardCallback: .*wrong type"):
         restore_tensorboard(tmp_path, tree, str(tmp_path / "tb"))
 
@@ -301,7 +370,9 @@ def test_tensorboard_state_of_the_wrong_shape_is_a_checkpoint_error(tmp_path, tr
 def test_wandb_resume_into_another_run_warns_naming_both_runs(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     from fastai.callback.wandb import WandbCallback
+
     from fastai_resume import trackers
+
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = wandb.init(project="frk", id="another-run", dir=str(tmp_path), mode="offline")
     try:
@@ -327,7 +398,9 @@ def test_wandb_offline_resumed_run_logs_the_uninterrupted_steps_and_values(wandb
     _, resumed = wandb_runs(res)
     want, got = wandb_history(ref_run), wandb_history(resumed)
     assert sorted(want) == list(range(EPOCHS * N_ITER))  # fastai logs batch n at step n - 1
-    assert sorted(got) == list(range(STEP_SAVED, EPOCHS * N_ITER)), "the resumed run does not continue at the checkpoint's step"
+    assert sorted(got) == list(range(STEP_SAVED, EPOCHS * N_ITER)), (
+        "the resumed run does not continue at the checkpoint's step"
+    )
     assert got == {s: want[s] for s in got}
 
 

@@ -2,6 +2,7 @@
 never runs code, never half-loads a learner and never explodes later in `fit`; AutoCheckpoint never
 touches another run's files, refuses a second process on its run, and never takes a transient error
 for corruption."""
+
 import errno
 import os
 import pickle
@@ -11,12 +12,12 @@ import sys
 
 import pytest
 import torch
-
-import fastai_resume as fr
 from fastai.callback.tracker import SaveModelCallback
 from procs import ENV, equal
 from test_resume_rules import StopAt, fit
 from trainer import build
+
+import fastai_resume as fr
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,7 @@ def mid_fit_file(tmp_path_factory):
 @pytest.fixture
 def mid_fit(mid_fit_file):
     import copy
+
     d, tree = mid_fit_file
     return d, copy.deepcopy(tree)
 
@@ -43,15 +45,20 @@ def resealed(d, tree, name):
 
 class Payload:
     "Unpickling it creates a marker file: proof that code ran."
-    def __init__(self, marker): self.marker = marker
-    def __reduce__(self): return (open, (self.marker, "w"))
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
 
 
 def test_callback_state_cannot_steer_fastai_into_unpickling_a_file(mid_fit, tmp_path):
     d, tree = mid_fit
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pth"
-    with open(evil, "wb") as f: pickle.dump(Payload(str(marker)), f)
+    with open(evil, "wb") as f:
+        pickle.dump(Payload(str(marker)), f)
     (evil.parent / "evil.pth").touch()
     for cb in tree["train"]["callbacks"].values():
         cb.update(fname=str(evil.with_suffix("")), with_opt=True, every_epoch=True, monitor="accuracy")
@@ -76,7 +83,9 @@ def test_a_wrong_type_for_a_known_callback_field_is_refused(mid_fit):
 def test_a_model_entry_of_the_wrong_type_leaves_model_and_optimizer_untouched(mid_fit, bad):
     d, tree = mid_fit
     keys = list(tree["model"])
-    tree["model"][keys[-1]] = tree["model"][keys[-1]].numpy() if bad == "numpy" else tree["model"][keys[-1]].to(torch.int32)
+    tree["model"][keys[-1]] = (
+        tree["model"][keys[-1]].numpy() if bad == "numpy" else tree["model"][keys[-1]].to(torch.int32)
+    )
     learn = build(d, noise=False)
     fit(learn, 1, 1e-2)
     model, opt = {k: v.clone() for k, v in learn.model.state_dict().items()}, fr.state.plain(learn.opt.state_dict())
@@ -85,19 +94,23 @@ def test_a_model_entry_of_the_wrong_type_leaves_model_and_optimizer_untouched(mi
     assert equal(model, learn.model.state_dict()) and equal(opt, fr.state.plain(learn.opt.state_dict()))
 
 
-@pytest.mark.parametrize("where, value, field", [
-    (("position", "epoch"), "1", "train.position.epoch"),
-    (("position", "iter"), 10 ** 6, "train.position"),
-    (("hypers",), {"lr": 1}, "train.hypers"),
-    (("position",), {}, "train.position"),
-    (("rng", "torch"), [1, 2], "train.rng.torch"),
-    (("recorder", "lrs"), torch.zeros(4), "train.recorder.lrs"),
-    (("stages",), [], "train.stages"),
-])
+@pytest.mark.parametrize(
+    "where, value, field",
+    [
+        (("position", "epoch"), "1", "train.position.epoch"),
+        (("position", "iter"), 10**6, "train.position"),
+        (("hypers",), {"lr": 1}, "train.hypers"),
+        (("position",), {}, "train.position"),
+        (("rng", "torch"), [1, 2], "train.rng.torch"),
+        (("recorder", "lrs"), torch.zeros(4), "train.recorder.lrs"),
+        (("stages",), [], "train.stages"),
+    ],
+)
 def test_a_malformed_training_state_is_refused_at_load_naming_the_field(mid_fit, where, value, field):
     d, tree = mid_fit
     node = tree["train"]
-    for k in where[:-1]: node = node[k]
+    for k in where[:-1]:
+        node = node[k]
     node[where[-1]] = value
     learn = build(d, noise=False)
     with pytest.raises(fr.CheckpointError, match=f"malformed training state: {field}"):
@@ -108,24 +121,32 @@ def test_a_malformed_training_state_is_refused_at_load_naming_the_field(mid_fit,
 def _mutations(tree, rng, n):
     "n copies of the training state, each with one node replaced by a value of another kind, or removed."
     import copy
+
     paths = []
 
     def walk(v, p):
         paths.append(p)
         if isinstance(v, dict):
-            for k, x in v.items(): walk(x, p + (k,))
+            for k, x in v.items():
+                walk(x, p + (k,))
         elif isinstance(v, (list, tuple)) and len(v) < 50:
-            for i, x in enumerate(v): walk(x, p + (i,))
+            for i, x in enumerate(v):
+                walk(x, p + (i,))
+
     walk(tree["train"], ())
-    others = [None, -1, 2 ** 40, 1.5, "x", b"\0", [], {}, (), torch.zeros(3), torch.zeros(2, dtype=torch.uint8)]
+    others = [None, -1, 2**40, 1.5, "x", b"\0", [], {}, (), torch.zeros(3), torch.zeros(2, dtype=torch.uint8)]
     for _ in range(n):
         t = copy.deepcopy(tree)
         p = rng.choice(paths[1:])
         node = t["train"]
-        for k in p[:-1]: node = node[k]
-        if isinstance(node, tuple): continue
-        if rng.random() < 0.2 and isinstance(node, dict): del node[p[-1]]
-        else: node[p[-1]] = rng.choice(others)
+        for k in p[:-1]:
+            node = node[k]
+        if isinstance(node, tuple):
+            continue
+        if rng.random() < 0.2 and isinstance(node, dict):
+            del node[p[-1]]
+        else:
+            node[p[-1]] = rng.choice(others)
         yield p, t
 
 
@@ -133,15 +154,20 @@ def test_structure_aware_fuzz_of_the_training_state_never_fails_later_than_load(
     d, tree = mid_fit
     rng = random.Random(0)
     fits = 0
-    for i, (p, t) in enumerate(_mutations(tree, rng, 120)):
+    for p, t in _mutations(tree, rng, 120):
         learn = build(d, noise=False)
-        try: learn.load(resealed(d, t, "fuzz"))
-        except fr.CheckpointError: continue
+        try:
+            learn.load(resealed(d, t, "fuzz"))
+        except fr.CheckpointError:
+            continue
         if fits < 8:  # what load accepted must train (a mutation it could not see matters to nothing)
             fits += 1
-            try: fit(learn, 3, 1e-2)
-            except fr.CheckpointError: pass
-            except Exception as e: raise AssertionError(f"mutation at {p} passed load, then fit failed: {e!r}")
+            try:
+                fit(learn, 3, 1e-2)
+            except fr.CheckpointError:
+                pass
+            except Exception as e:
+                raise AssertionError(f"mutation at {p} passed load, then fit failed: {e!r}") from e
 
 
 AUTO = """
@@ -159,10 +185,18 @@ print("trained", len(learn.recorder.losses))
 
 
 def auto(path, lr=1e-2, epochs=2, sleep=0.0, wait=True):
-    code = AUTO.format(tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), lr=lr, epochs=epochs, sleep=sleep)
-    p = subprocess.Popen([sys.executable, "-c", code], env=dict(ENV, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    if not wait: return p
+    code = AUTO.format(
+        tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), lr=lr, epochs=epochs, sleep=sleep
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=dict(ENV, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    if not wait:
+        return p
     out = p.communicate(timeout=900)[0]
     return p.returncode, out
 
@@ -182,7 +216,8 @@ def test_autoresume_never_takes_or_deletes_another_runs_files(tmp_path):
 def test_a_second_launch_on_the_same_run_is_refused_and_the_first_finishes(tmp_path):
     first = auto(tmp_path, epochs=3, sleep=0.12, wait=False)  # long enough for the second to start
     for line in first.stdout:
-        if line.startswith("fastai") or "epoch" in line or line.startswith("["): break
+        if line.startswith("fastai") or "epoch" in line or line.startswith("["):
+            break
     rc, out = auto(tmp_path, epochs=3)
     assert rc != 0 and "is already training this run" in out
     rest = first.communicate(timeout=900)[0]
@@ -196,7 +231,9 @@ def test_a_transient_error_at_autoresume_is_raised_and_never_renames_good_files(
     files = sorted((tmp_path / "models").glob("auto-*.frk"))
     learn = build(tmp_path, noise=False, extra_cbs=[fr.AutoCheckpoint(every_iters=10, keep=2)])
 
-    def emfile(*a, **k): raise OSError(errno.EMFILE, "Too many open files")
+    def emfile(*a, **k):
+        raise OSError(errno.EMFILE, "Too many open files")
+
     monkeypatch.setattr(fr.io, "info", emfile)
     with pytest.raises(OSError, match="Too many open files"):
         fit(learn, 1, 1e-2)

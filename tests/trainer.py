@@ -5,6 +5,7 @@ It builds the learner the same way every time (as a user's script would), option
 epoch E after K batches and dies hard (SIGKILL), optionally loads a checkpoint first, trains, and
 writes the final model and optimizer state and the Recorder's history to `--out`.
 """
+
 import argparse
 import os
 import signal
@@ -14,13 +15,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fastai_resume  # noqa: E402  (patches fastai)
-import fastai_resume.loaders  # noqa: E402
-import fastai_resume.session  # noqa: E402
-from fastai.callback.core import Callback  # noqa: E402
 import fastai.callback.schedule  # noqa: E402,F401  (fit_one_cycle and friends, as fastai.vision.all imports them)
-from fastai.callback.training import GradientAccumulation  # noqa: E402
+from fastai.callback.core import Callback  # noqa: E402
 from fastai.callback.tracker import EarlyStoppingCallback, SaveModelCallback  # noqa: E402
+from fastai.callback.training import GradientAccumulation  # noqa: E402
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
@@ -30,9 +28,14 @@ from fastai.optimizer import OptimWrapper  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
+import fastai_resume  # noqa: E402  (patches fastai)
+import fastai_resume.loaders  # noqa: E402
+import fastai_resume.session  # noqa: E402
+
 
 class Noise:
     "A random per-item augmentation drawn from torch's global RNG (so RNG state matters)."
+
     def __call__(self, item):
         x, y = item
         return x + 0.05 * torch.randn_like(x), y
@@ -40,6 +43,7 @@ class Noise:
 
 class SaveAndDie(Callback):
     "Saves a resumable checkpoint at a chosen point of the fit, then dies as a crash would."
+
     order = 100
 
     def __init__(self, epoch, k, name, event="after_batch"):
@@ -48,8 +52,10 @@ class SaveAndDie(Callback):
 
     def _maybe(self):
         if self.event == "after_batch":
-            if not self.training or (self.epoch, self.iter + 1) != self.at: return
-        elif self.epoch != self.at[0]: return
+            if not self.training or (self.epoch, self.iter + 1) != self.at:
+                return
+        elif self.epoch != self.at[0]:
+            return
         self.learn.save(self.fname, with_iter=True)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -57,10 +63,14 @@ class SaveAndDie(Callback):
 
 class Slow(Callback):
     "Makes each training batch take longer (no RNG, no state): kill windows get wider."
-    def __init__(self, ms): self.s = ms / 1000
+
+    def __init__(self, ms):
+        self.s = ms / 1000
+
     def after_batch(self):
         if self.training:
             import time
+
             time.sleep(self.s)
 
 
@@ -77,16 +87,20 @@ def build(path, nw=0, noise=True, bs=32, torch_opt=False, extra_cbs=()):
     opt = {}
     if torch_opt:
         from functools import partial
+
         opt = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW))
-    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, wd=0.01,
-                   cbs=list(extra_cbs), path=path, **opt)
+    return Learner(
+        dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, wd=0.01, cbs=list(extra_cbs), path=path, **opt
+    )
 
 
 class SeenItems(Callback):
     "Records the dataset index of every training item each epoch loads (num_workers=0)."
+
     def __init__(self, dl):
         self.seen, self.orig = {}, dl.create_item
         dl.create_item = self._item
+
     def _item(self, s):
         self.seen.setdefault(self.learn.epoch, []).append(int(s))
         return self.orig(s)
@@ -95,11 +109,14 @@ class SeenItems(Callback):
 def result(learn):
     rec = learn.recorder
     seen = next((c.seen for c in learn.cbs if isinstance(c, SeenItems)), {})
-    return {"seen": {str(e): torch.tensor(v) for e, v in seen.items()},"model": {k: v.clone() for k, v in learn.model.state_dict().items()},
-            "opt": fastai_resume.state.plain(learn.opt.state_dict()),
-            "losses": [float(l) for l in rec.losses],
-            "lrs": [float(l) for l in rec.lrs],
-            "values": [[float(v) for v in row] for row in rec.values]}
+    return {
+        "seen": {str(e): torch.tensor(v) for e, v in seen.items()},
+        "model": {k: v.clone() for k, v in learn.model.state_dict().items()},
+        "opt": fastai_resume.state.plain(learn.opt.state_dict()),
+        "losses": [float(l) for l in rec.losses],
+        "lrs": [float(l) for l in rec.lrs],
+        "values": [[float(v) for v in row] for row in rec.values],
+    }
 
 
 def main(argv=None):
@@ -123,29 +140,51 @@ def main(argv=None):
     ap.add_argument("--ballast-mb", type=int, default=0, help="a constant buffer this big in the model (slower saves)")
     ap.add_argument("--fsize-mb", type=int, default=0, help="RLIMIT_FSIZE for this process (a full disk)")
     ap.add_argument("--on-error", default="raise")
-    ap.add_argument("--ddp", action="store_true", help="train inside learn.distrib_ctx(cpu=True) (launch with torchrun)")
+    ap.add_argument(
+        "--ddp", action="store_true", help="train inside learn.distrib_ctx(cpu=True) (launch with torchrun)"
+    )
     ap.add_argument("--start-epoch", type=int, default=0)
-    ap.add_argument("--shared-rng", action="store_true",
-                    help="negative control under --ddp: every rank resumes with rank 0's RNG state")
-    ap.add_argument("--break-data-order", action="store_true",
-                    help="negative control: forget the saved DataLoader shuffling state on resume")
+    ap.add_argument(
+        "--shared-rng",
+        action="store_true",
+        help="negative control under --ddp: every rank resumes with rank 0's RNG state",
+    )
+    ap.add_argument(
+        "--break-data-order",
+        action="store_true",
+        help="negative control: forget the saved DataLoader shuffling state on resume",
+    )
     a = ap.parse_args(argv)
     cbs = []
-    if a.grad_acc: cbs.append(GradientAccumulation(a.grad_acc))
+    if a.grad_acc:
+        cbs.append(GradientAccumulation(a.grad_acc))
     if a.auto or a.auto_seconds:
-        cbs.append(fastai_resume.AutoCheckpoint(every_iters=a.auto or None, every_seconds=a.auto_seconds, keep=2,
-                                                background=not a.auto_sync, on_error=a.on_error))
+        cbs.append(
+            fastai_resume.AutoCheckpoint(
+                every_iters=a.auto or None,
+                every_seconds=a.auto_seconds,
+                keep=2,
+                background=not a.auto_sync,
+                on_error=a.on_error,
+            )
+        )
     if a.fsize_mb:
         import resource
+
         resource.setrlimit(resource.RLIMIT_FSIZE, (a.fsize_mb << 20, a.fsize_mb << 20))
-    if a.slow_ms: cbs.append(Slow(a.slow_ms))
+    if a.slow_ms:
+        cbs.append(Slow(a.slow_ms))
     if a.trackers:
-        cbs += [SaveModelCallback(monitor="accuracy", fname="best", with_opt=True),
-                EarlyStoppingCallback(monitor="valid_loss", patience=2)]
+        cbs += [
+            SaveModelCallback(monitor="accuracy", fname="best", with_opt=True),
+            EarlyStoppingCallback(monitor="valid_loss", patience=2),
+        ]
     learn = build(a.path, nw=a.workers, noise=not a.no_noise, torch_opt=a.torch_opt, extra_cbs=cbs)
-    if a.workers == 0: learn.add_cb(SeenItems(learn.dls.train))
+    if a.workers == 0:
+        learn.add_cb(SeenItems(learn.dls.train))
     if a.ddp:  # ranks draw different augmentation noise and dropout masks: per-rank RNG matters
         import fastai.distributed  # noqa: F401  (defines Learner.distrib_ctx)
+
         rank = int(os.environ["RANK"])
         torch.manual_seed(1000 + rank)
         a.out = f"{a.out}.rank{rank}"
@@ -160,13 +199,19 @@ def main(argv=None):
         if a.break_data_order:
             train = fastai_resume.session.script(learn).armed.train
             train["loaders_epoch"] = [fastai_resume.loaders.capture(dl) for dl in learn.dls.loaders]
-        if a.shared_rng: fastai_resume.session.script(learn).armed.train["ranks"] = None
+        if a.shared_rng:
+            fastai_resume.session.script(learn).armed.train["ranks"] = None
     import contextlib
-    with learn.no_bar(), (learn.distrib_ctx(cpu=True) if a.ddp else contextlib.nullcontext()):
-        if a.method == "fit_one_cycle": learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs, start_epoch=a.start_epoch)
-        elif a.method == "fit_flat_cos": learn.fit_flat_cos(a.epochs, 1e-2, cbs=fit_cbs)
-        elif a.method == "fit": learn.fit(a.epochs, 1e-3, cbs=fit_cbs)
-        elif a.method == "fine_tune": learn.fine_tune(a.epochs, 1e-2, freeze_epochs=1, cbs=fit_cbs)
+
+    with learn.no_bar(), learn.distrib_ctx(cpu=True) if a.ddp else contextlib.nullcontext():
+        if a.method == "fit_one_cycle":
+            learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs, start_epoch=a.start_epoch)
+        elif a.method == "fit_flat_cos":
+            learn.fit_flat_cos(a.epochs, 1e-2, cbs=fit_cbs)
+        elif a.method == "fit":
+            learn.fit(a.epochs, 1e-3, cbs=fit_cbs)
+        elif a.method == "fine_tune":
+            learn.fine_tune(a.epochs, 1e-2, freeze_epochs=1, cbs=fit_cbs)
     fastai_resume.save(result(learn), a.out)
 
 

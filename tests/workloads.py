@@ -15,6 +15,7 @@ freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger).
 AutoCheckpoint have saved) and die by SIGKILL. --load NAME: `learn.load(NAME)` at the top of the script.
 The final model, optimizer, Recorder and the next draw of every RNG go to OUT.
 """
+
 import argparse
 import os
 import random
@@ -26,24 +27,26 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import fastai_resume  # noqa: E402
-import fastai_resume.session  # noqa: E402
 import fastai.callback.schedule  # noqa: E402,F401
 from fastai.callback.core import Callback  # noqa: E402
 from fastai.callback.progress import CSVLogger  # noqa: E402
 from fastai.data.core import DataLoaders, TfmdDL  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
-from fastai.learner import Learner, Recorder  # noqa: E402
+from fastai.learner import Learner  # noqa: E402
 from fastai.losses import CrossEntropyLossFlat  # noqa: E402
 from fastai.metrics import accuracy  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 from fasttransform import Transform  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
+import fastai_resume  # noqa: E402
+import fastai_resume.session  # noqa: E402
+
 
 class SaveAndDie(Callback):
     """In stage S, after K training batches of epoch E: save `crash` (unless AutoCheckpoint does) and SIGKILL.
     `event='after_epoch'`: at the end of epoch E; `event='valid'`: after K validation batches of epoch E."""
+
     def __init__(self, at, save=True, order=100, event="after_batch"):
         self.at, self.do_save, self.order, self.event = at, save, order, event
 
@@ -54,13 +57,17 @@ class SaveAndDie(Callback):
 
     def after_batch(self):
         sc = fastai_resume.session.script(self.learn)
-        if sc.stage is None or sc.session is None or self.event == "after_epoch": return
-        if self.training != (self.event == "after_batch"): return
-        if (sc.stage.index, self.epoch, self.iter + 1) != self.at: return
+        if sc.stage is None or sc.session is None or self.event == "after_epoch":
+            return
+        if self.training != (self.event == "after_batch"):
+            return
+        if (sc.stage.index, self.epoch, self.iter + 1) != self.at:
+            return
         self._die()
 
     def _die(self):
-        if self.do_save: self.learn.save("crash", with_iter=True)
+        if self.do_save:
+            self.learn.save("crash", with_iter=True)
         else:
             auto = next(c for c in self.learn.cbs if isinstance(c, fastai_resume.AutoCheckpoint))
             auto._check_inflight(block=True)
@@ -70,18 +77,28 @@ class SaveAndDie(Callback):
 
 class Trace(Callback):
     "Records a checksum of every training batch's input (to find where two runs part)."
+
     order = 1
-    def __init__(self): self.sums = []
+
+    def __init__(self):
+        self.sums = []
+
     def before_batch(self):
-        if self.training: self.sums.append(float(self.xb[0].double().sum()))
+        if self.training:
+            self.sums.append(float(self.xb[0].double().sum()))
 
 
 class PlantedDivergence(Callback):
     "Perturbs each batch from a generator of its own that no checkpoint knows (a planted divergence)."
+
     order = 0
-    def __init__(self): self.g = torch.Generator().manual_seed(0)
+
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(0)
+
     def before_batch(self):
-        if self.training: self.learn.xb = (self.xb[0] + 0.01 * torch.randn(self.xb[0].shape, generator=self.g),)
+        if self.training:
+            self.learn.xb = (self.xb[0] + 0.01 * torch.randn(self.xb[0].shape, generator=self.g),)
 
 
 def digits():
@@ -99,36 +116,53 @@ def mlp():
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def mlp_split(m): return [list(m[0].parameters()), list(m[3].parameters()), list(m[5].parameters())]
+def mlp_split(m):
+    return [list(m[0].parameters()), list(m[3].parameters()), list(m[5].parameters())]
 
 
 class NoisyDigits(torch.utils.data.Dataset):
-    def __init__(self, xs, ys): self.xs, self.ys = xs, ys
-    def __len__(self): return len(self.xs)
-    def __getitem__(self, i): return self.xs[i] + 0.05 * torch.randn(64), self.ys[i]
+    def __init__(self, xs, ys):
+        self.xs, self.ys = xs, ys
+
+    def __len__(self):
+        return len(self.xs)
+
+    def __getitem__(self, i):
+        return self.xs[i] + 0.05 * torch.randn(64), self.ys[i]
 
 
 class DigitStream(torch.utils.data.IterableDataset):
     "A stream of noisy digits (one pass per epoch), resumable through state_dict/load_state_dict."
-    def __init__(self, xs, ys): self.xs, self.ys, self.pos, self.resume_at = xs, ys, 0, 0
+
+    def __init__(self, xs, ys):
+        self.xs, self.ys, self.pos, self.resume_at = xs, ys, 0, 0
+
     def __iter__(self):
         start, self.resume_at = self.resume_at, 0
         for i in range(start, len(self.xs)):
             self.pos = i + 1
             yield self.xs[i] + 0.05 * torch.randn(64), self.ys[i]
         self.pos = 0
-    def __len__(self): return len(self.xs)
+
+    def __len__(self):
+        return len(self.xs)
 
 
 class StatefulDigitStream(DigitStream):
-    def state_dict(self): return {"pos": self.pos}
-    def load_state_dict(self, st): self.resume_at = st["pos"]
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, st):
+        self.resume_at = st["pos"]
 
 
 class RandomScale(Transform):
     "A random after_batch transform (drawn from torch's global RNG in the main process)."
+
     order = 5
-    def encodes(self, b: torch.Tensor): return b * (1 + 0.1 * torch.rand(1)) if b.is_floating_point() else b
+
+    def encodes(self, b: torch.Tensor):
+        return b * (1 + 0.1 * torch.rand(1)) if b.is_floating_point() else b
 
 
 def build(a):
@@ -159,6 +193,7 @@ def build(a):
         from fastai.text.data import LMDataLoader
         from fastai.text.models.awdlstm import AWD_LSTM, awd_lstm_lm_config, awd_lstm_lm_split
         from fastai.text.models.core import get_language_model
+
         g = torch.Generator().manual_seed(0)
         docs = [torch.randint(0, 60, (int(n),), generator=g) for n in torch.randint(10, 40, (60,), generator=g)]
         train = LMDataLoader(docs[:48], bs=4, seq_len=10, shuffle=True)
@@ -172,18 +207,35 @@ def build(a):
         from fastai.vision.augment import RandomResizedCrop, aug_transforms
         from fastai.vision.core import PILImage
         from fastai.vision.data import ImageBlock
+
         imgs = (xs.view(-1, 8, 8) * 255).to(torch.uint8).repeat_interleave(2, 1).repeat_interleave(2, 2).numpy()
-        block = DataBlock(blocks=(ImageBlock, CategoryBlock), get_x=lambda i: PILImage.create(np.stack([imgs[i]] * 3, -1)),
-                          get_y=lambda i: int(ys[i]), splitter=lambda items: (list(range(0, 320)), list(range(320, 400))),
-                          item_tfms=RandomResizedCrop(12, min_scale=0.6),
-                          batch_tfms=aug_transforms(size=12, max_rotate=15, do_flip=False, max_lighting=0.3))
+        block = DataBlock(
+            blocks=(ImageBlock, CategoryBlock),
+            get_x=lambda i: PILImage.create(np.stack([imgs[i]] * 3, -1)),
+            get_y=lambda i: int(ys[i]),
+            splitter=lambda items: (list(range(0, 320)), list(range(320, 400))),
+            item_tfms=RandomResizedCrop(12, min_scale=0.6),
+            batch_tfms=aug_transforms(size=12, max_rotate=15, do_flip=False, max_lighting=0.3),
+        )
         dls = block.dataloaders(list(range(400)), bs=16, num_workers=2, path=a.path, device="cpu", drop_last=True)
-        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Dropout(0.2), nn.Conv2d(8, 16, 3, stride=2),
-                              nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
-        splitter, loss = (lambda m: [list(m[0].parameters()), list(m[3].parameters()), list(m[7].parameters())]), CrossEntropyLossFlat()
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Conv2d(8, 16, 3, stride=2),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(16, 10),
+        )
+        splitter, loss = (
+            (lambda m: [list(m[0].parameters()), list(m[3].parameters()), list(m[7].parameters())]),
+            CrossEntropyLossFlat(),
+        )
         kw["metrics"] = accuracy
     learn = Learner(dls, model, loss_func=loss, splitter=splitter, wd=0.01, cbs=cbs, path=a.path, **kw)
-    if a.train_metrics: learn.recorder.train_metrics = True
+    if a.train_metrics:
+        learn.recorder.train_metrics = True
     return learn
 
 
@@ -193,7 +245,8 @@ def recipe(learn, a):
         learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs)
         return
     learn.add_cb(CSVLogger(append=a.csv_append))
-    if not a.no_lr_find: learn.lr_find(num_it=20, show_plot=False)
+    if not a.no_lr_find:
+        learn.lr_find(num_it=20, show_plot=False)
     learn.freeze_to(-1)
     learn.fit_one_cycle(2, a.lr)
     learn.freeze_to(-2)
@@ -208,10 +261,15 @@ def result(learn):
     csv = os.path.join(learn.path, "history.csv")
     text = open(csv).read() if os.path.exists(csv) else ""
     rows = [",".join(line.split(",")[:-1]) for line in text.splitlines()]  # without the time column
-    return {"model": {k: v.clone() for k, v in learn.model.state_dict().items()},
-            "opt": fastai_resume.state.plain(learn.opt.state_dict()),
-            "losses": [float(x) for x in rec.losses], "lrs": [float(x) for x in rec.lrs],
-            "values": [[float(v) for v in row] for row in rec.values], "rng": rng, "csv": "\n".join(rows)}
+    return {
+        "model": {k: v.clone() for k, v in learn.model.state_dict().items()},
+        "opt": fastai_resume.state.plain(learn.opt.state_dict()),
+        "losses": [float(x) for x in rec.losses],
+        "lrs": [float(x) for x in rec.lrs],
+        "values": [[float(v) for v in row] for row in rec.values],
+        "rng": rng,
+        "csv": "\n".join(rows),
+    }
 
 
 def main(argv=None):
@@ -237,9 +295,12 @@ def main(argv=None):
     ap.add_argument("--break-order", action="store_true", help="negative control: forget the loaders' saved order")
     a = ap.parse_args(argv)
     learn = build(a)
-    if a.trace: learn.add_cb(Trace())
-    if a.plant: learn.add_cb(PlantedDivergence())
-    if a.auto: learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
+    if a.trace:
+        learn.add_cb(Trace())
+    if a.plant:
+        learn.add_cb(PlantedDivergence())
+    if a.auto:
+        learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
     if a.die:
         at = tuple(map(int, a.die.split(",")))
         learn.add_cb(SaveAndDie(at, save=not a.auto, order=a.die_order, event=a.die_event))
@@ -247,12 +308,14 @@ def main(argv=None):
         learn.load(a.load, fast_forward=a.fast_forward)
         if a.break_order:
             tr = fastai_resume.session.script(learn).armed.train
-            tr["loaders_epoch"] = [dict(st, order=list(range(len(st["order"])))) if "order" in st else st
-                                   for st in tr["loaders_epoch"]]
+            tr["loaders_epoch"] = [
+                dict(st, order=list(range(len(st["order"])))) if "order" in st else st for st in tr["loaders_epoch"]
+            ]
     with learn.no_bar():
         recipe(learn, a)
     res = result(learn)
-    if a.trace: res["trace"] = learn.trace.sums
+    if a.trace:
+        res["trace"] = learn.trace.sums
     fastai_resume.save(res, a.out)
 
 
