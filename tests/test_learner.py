@@ -216,3 +216,12 @@ def test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list(tmp_path):
     assert torch.equal(saved, torch.stack(ref.recorder.losses[:7]))
     fresh.recorder.losses = [torch.tensor(1.0)]  # plain assignment still works, pending or not
     assert len(fresh.recorder.losses) == 1
+
+
+def test_a_vanilla_pth_renamed_frk_loads_by_its_magic_bytes(tmp_path):
+    learn = trained(tmp_path)
+    learn.save("plain")  # fastai's own .pth
+    os.replace(tmp_path / "models" / "plain.pth", tmp_path / "models" / "x.frk")
+    fresh = build(tmp_path)
+    fresh.load("x")
+    assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())

@@ -239,3 +239,49 @@ def test_a_transient_error_at_autoresume_is_raised_and_never_renames_good_files(
         fit(learn, 1, 1e-2)
     assert sorted((tmp_path / "models").glob("auto-*.frk")) == files
     assert not list((tmp_path / "models").glob("*.corrupt"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    "A real file system of 14 MiB (tmpfs), full after three checkpoints of the ballasted model."
+    d = tmp_path / "disk"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_a_full_disk_frees_this_runs_older_checkpoints_and_saves_again(small_disk):
+    cb = fr.AutoCheckpoint(every_iters=10, keep=3, background=False)
+    learn = build(small_disk, noise=False, extra_cbs=[cb])
+    learn.model.register_buffer("ballast", torch.ones(1 << 20))  # 4 MiB in every checkpoint
+    fit(learn, 2, 1e-2)
+    files = cb.checkpoints()
+    assert files and files[-1].name.endswith("-e000002-i0000000000.frk")  # the last save made it
+    for p in files:
+        fr.info(p, verify=True)
+    assert not list((small_disk / "models").glob(".*tmp*"))
+
+
+def test_on_error_warn_also_applies_to_synchronous_saves(small_disk):
+    cb = fr.AutoCheckpoint(every_iters=10, keep=1, background=False, on_error="warn")
+    learn = build(small_disk, noise=False, extra_cbs=[cb])
+    learn.model.register_buffer("ballast", torch.ones(4 << 20))  # 16 MiB: no checkpoint fits
+    with pytest.warns(UserWarning, match="No space left on device"):
+        fit(learn, 1, 1e-2)
+    assert len(learn.recorder.losses) == 46  # training went on
+    assert not list((small_disk / "models").glob(".*tmp*"))
+
+
+def test_temp_files_of_killed_saves_are_removed_when_their_process_is_gone(tmp_path):
+    learn = build(tmp_path, noise=False)
+    fit(learn, 1, 1e-2)
+    models = tmp_path / "models"
+    models.mkdir(exist_ok=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = models / f".m.frk.tmp.{dead.stdout.strip()}.0"
+    live = models / f".m.frk.tmp.{os.getppid()}.0"  # a process that is still running
+    stale.write_bytes(b"partial"), live.write_bytes(b"in flight")
+    learn.save("m", with_iter=True)
+    assert not stale.exists() and live.exists()
