@@ -110,6 +110,7 @@ class AutoCheckpoint(Callback):
         d = dict(self.__dict__)
         for k in ("_inflight", "_lock", "_old_handler", "_failure"):
             d[k] = None
+        d["_pool"] = SnapshotPool()  # buffers (and their lock) belong to this process's fit
         return d
 
     # -- files ------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ class _SkipBatchSampler:
         yield from it
 
 
-def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = "") -> str:
+def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = "", whole: bool = False) -> str:
     """Make the next epoch of `dl` start at batch `k`, calling `on_skipped()` once the skipped part is
     behind (when the loader first reads its index list, before the first kept item is made and after the
     loader's own draws at the epoch's start). Returns how the skip is done. A fastai `DistributedDL` is
@@ -226,7 +226,7 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
         cut, how = 0, "stream state"
     if is_fastai(dl):
         get_idxs = dl.get_idxs
-        bs, n_iter = dl.bs or 1, len(dl)
+        bs = dl.bs or 1
 
         def skipped_idxs():
             del dl.get_idxs  # one epoch only: back to the class's method
@@ -235,8 +235,8 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
             idxs = get_idxs()
             if not isinstance(idxs, list):
                 return _HookedIter(idxs, on_skipped)  # a stream of unknown length
-            # (training done: not even the partial batch drop_last discards, whose items would draw RNG)
-            return _SkippedIdxs((idxs[cut * bs :] if cut < n_iter else []) if cut else idxs, on_skipped)
+            # (`whole`: the epoch's data was all read, the partial batch drop_last discards too, before the save)
+            return _SkippedIdxs([] if whole else idxs[cut * bs :] if cut else idxs, on_skipped)
 
         dl.get_idxs = skipped_idxs
         return how

@@ -433,6 +433,7 @@ class ResumeSession(Callback):
                 k,
                 self._restore_saved_rng,
                 self.fast_forward,
+                whole=sv is not None and bool(sv["position"].get("loader_done")),
                 f"at epoch {self.epoch}, iteration {k} " if sv is None else f"from {self.source} ",
             )
             self._guard_after_batch()
@@ -522,6 +523,9 @@ class ResumeSession(Callback):
             rows.append(state.plain(list(rec.log)))  # this epoch's row, logged by the Recorder already
         boundary = it == 0
         validating = self.rng_valid is not None and epoch == self.epoch and it == len(self.dls.train)
+        # saved after the training loop ended (after_train, validation): the loader had read all of the
+        # epoch, the partial batch drop_last discards included; from after_batch of the last batch it had not
+        loader_done = epoch == self.epoch and it == len(self.dls.train) and self.event not in ("after_batch",)
         now_loaders = [loaders.capture(dl) for dl in self.dls.loaders]
         mine = {  # what differs between the ranks of a data-parallel fit
             "rng": state.rng_state(),
@@ -549,6 +553,7 @@ class ResumeSession(Callback):
                 "train_iter": learn.train_iter,
                 "pct_train": float(learn.pct_train),
                 "world_size": dist.world(),
+                "loader_done": loader_done,
                 "n_iter_all": len(dist.unwrap_dl(self.dls.train)),
             },
             "stages": list(sc.signatures[: st.index]) + [st.signature],

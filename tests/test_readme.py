@@ -84,7 +84,8 @@ def missing_tests(text, root=ROOT):
 
 
 def _models(cwd):
-    return sorted(p.name for p in (cwd / "models").iterdir())
+    "The checkpoint files in models/ (not AutoCheckpoint's hidden lock file)."
+    return sorted(p.name for p in (cwd / "models").iterdir() if not p.name.startswith("."))
 
 
 def quick_start(cwd, out):
