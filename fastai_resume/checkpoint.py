@@ -294,6 +294,7 @@ def validate_train(train) -> None:
             _int(pos[k], f"train.position.{k}", lo=1 if k == "world_size" else 0)
         _need(pos["bs"] is None or isinstance(pos["bs"], int), "train.position.bs", "expected an int or None")
         _num(pos["pct_train"], "train.position.pct_train")
+        _need(isinstance(pos.get("loader_done", False), bool), "train.position.loader_done", "expected a bool")
         _need(
             pos["epoch"] <= pos["n_epoch"] and pos["iter"] <= pos["n_iter"],
             "train.position",

@@ -433,8 +433,8 @@ class ResumeSession(Callback):
                 k,
                 self._restore_saved_rng,
                 self.fast_forward,
-                whole=sv is not None and bool(sv["position"].get("loader_done")),
                 f"at epoch {self.epoch}, iteration {k} " if sv is None else f"from {self.source} ",
+                whole=sv is not None and bool(sv["position"].get("loader_done")),
             )
             self._guard_after_batch()
         pbar = getattr(getattr(learn, "progress", None), "pbar", None)
