@@ -525,7 +525,9 @@ class ResumeSession(Callback):
         validating = self.rng_valid is not None and epoch == self.epoch and it == len(self.dls.train)
         # saved after the training loop ended (after_train, validation): the loader had read all of the
         # epoch, the partial batch drop_last discards included; from after_batch of the last batch it had not
-        loader_done = epoch == self.epoch and it == len(self.dls.train) and self.event not in ("after_batch",)
+        loader_done = (
+            epoch == self.epoch and it == len(self.dls.train) and not (learn.training and self.event == "after_batch")
+        )
         now_loaders = [loaders.capture(dl) for dl in self.dls.loaders]
         mine = {  # what differs between the ranks of a data-parallel fit
             "rng": state.rng_state(),

@@ -200,8 +200,8 @@ def test_kernel_killed_mid_fit_restarted_and_run_all_again_is_exact(kernel_refer
             return "dead"
 
         k.run(cs[2], until="[1,", then=crash)
-        k.km.restart_kernel(now=True)
-        k.connect()
+        k.stop()
+        k = Kernel(tmp_path)  # the notebook's kernel restarted: a new process, the same folder
         outs = [k.run(c) for c in cs]  # Run All
     finally:
         k.stop()
