@@ -225,6 +225,11 @@ def cb_key(cbs, cb) -> str:
     return cb.name if len(same) == 1 else f"{cb.name}_{same.index(cb)}"
 
 
+def _callback_modules() -> tuple:
+    "fastai's tracker, training, fp16, schedule and progress modules, each None if not imported."
+    return tuple(_mod(f"fastai.callback.{m}") for m in ("tracker", "training", "fp16", "schedule", "progress"))
+
+
 def _mod(name):
     "A fastai module if the user's code has imported it (a callback of it can exist only then)."
     import sys
@@ -243,13 +248,7 @@ def _builtin_state(cb) -> Any:
     for pred, get, _ in HANDLERS:
         if pred(cb):
             return get(cb)
-    tracker, training, fp16, sched, progress = (
-        _mod("fastai.callback.tracker"),
-        _mod("fastai.callback.training"),
-        _mod("fastai.callback.fp16"),
-        _mod("fastai.callback.schedule"),
-        _mod("fastai.callback.progress"),
-    )
+    tracker, training, fp16, sched, progress = _callback_modules()
     if tracker and isinstance(cb, tracker.TrackerCallback):
         return {k: plain(getattr(cb, k)) for k in _TRACKER_FIELDS if hasattr(cb, k)}
     if training and isinstance(cb, training.GradientAccumulation):
@@ -290,13 +289,7 @@ def _set_builtin_state(cb, st) -> None:
     for pred, _, put in HANDLERS:
         if pred(cb):
             return put(cb, st)
-    tracker, training, fp16, sched, progress = (
-        _mod("fastai.callback.tracker"),
-        _mod("fastai.callback.training"),
-        _mod("fastai.callback.fp16"),
-        _mod("fastai.callback.schedule"),
-        _mod("fastai.callback.progress"),
-    )
+    tracker, training, fp16, sched, progress = _callback_modules()
     from fastcore.foundation import L
 
     if fp16 and isinstance(cb, fp16.MixedPrecision):
