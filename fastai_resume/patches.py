@@ -167,7 +167,7 @@ def all_batches(self: Learner):
         return self._orig_all_batches()
     self.n_iter = len(self.dl)
     it = iter(self.dl)
-    if getattr(s, "fast_forwarding", 0):
+    if s.fast_forwarding:
         n, s.fast_forwarding = s.fast_forwarding, 0
         for i in range(n):  # a stream without state: read and discard what was trained before the save
             if next(it, None) is None:

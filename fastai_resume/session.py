@@ -276,6 +276,7 @@ class ResumeSession(Callback):
         self.first_iter = 0
         self.resuming = False
         self.deferred = None
+        self.fast_forwarding = 0  # batches `all_batches` reads and discards first (a stream without state)
 
     # -- events ---------------------------------------------------------------------------------
     @property
