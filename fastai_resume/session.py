@@ -345,6 +345,13 @@ class ResumeSession(Callback):
             raise CheckpointError(
                 f"{self.source}: {len(hypers)} parameter groups saved, the optimizer has {len(self.opt.hypers)}"
             )
+        for i, (live, saved) in enumerate(zip(self.opt.hypers, hypers)):
+            for k, v in saved.items():
+                if k not in live or _kind(live[k]) != _kind(v):
+                    raise CheckpointError(
+                        f"{self.source}: train.hypers[{i}][{k!r}] is a {type(v).__name__} in the file, "
+                        f"{type(live.get(k)).__name__ if k in live else 'not a hyper-parameter'} in the optimizer"
+                    )
         for k in hypers[0] if hypers else {}:  # fit() has just reset the learning rate and weight decay
             self.opt.set_hyper(k, [h[k] for h in hypers])
         if sv["recorder"] is not None:
@@ -568,6 +575,17 @@ class ResumeSession(Callback):
             "rows": rows,
             "callbacks": state.callback_states(learn),
         }
+
+
+def _kind(v) -> str:
+    "What a hyper-parameter's value is, for comparing a saved one with the optimizer's own."
+    if v is None or isinstance(v, (bool, str)):
+        return type(v).__name__
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, (list, tuple)):
+        return f"sequence of {len(v)}"
+    return type(v).__name__
 
 
 def _saved_rng(sv: dict) -> dict:
