@@ -6,19 +6,10 @@ import sys
 
 import pytest
 import torch
+from procs import equal as tensors_equal
 from trainer import build
 
 import fastai_resume as fr
-
-
-def tensors_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def trained(tmp_path, **kw):
