@@ -337,9 +337,11 @@ class ResumeSession(Callback):
         sv = self.saved = _rank_view(self.saved)
         if self.opt_state is not None:  # again: a wrapper may have cleared it (fine_tune's freeze)
             self.opt.load_state_dict(self.opt_state)
-        if sv.get("grads") is not None:  # gradients accumulated over batches not yet stepped
-            for p, g in zip(self.model.parameters(), sv["grads"]):
-                p.grad = None if g is None else g.to(p.device, copy=True)
+        # Gradients accumulated over batches not yet stepped, else none: an interrupt between `backward`
+        # and `zero_grad` leaves this process's gradients behind, which the next step would add to.
+        grads = sv.get("grads") or [None] * len(list(self.model.parameters()))
+        for p, g in zip(self.model.parameters(), grads):
+            p.grad = None if g is None else g.to(p.device, copy=True)
         hypers = sv["hypers"]
         if hypers and len(hypers) != len(self.opt.hypers):
             raise CheckpointError(

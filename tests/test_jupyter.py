@@ -10,7 +10,10 @@ import sys
 import time
 
 import pytest
+from fastai.callback.core import Callback
 from procs import ENV, HERE, equal
+from test_resume_rules import fit
+from trainer import build, result
 
 import fastai_resume as fr
 
@@ -105,6 +108,33 @@ def test_readme_quick_start_killed_mid_epoch_and_run_again_is_exact(tmp_path, dl
     ref, res = fr.load(ref_dir / "out.frk"), fr.load(run_dir / "out.frk")
     for k in ref:
         assert equal(ref[k], res[k]), f"{k} differs from the uninterrupted run"
+
+
+class InterruptAt(Callback):
+    "Ctrl-C (Jupyter's Interrupt) arriving at `event` of training batch `it` of epoch 1."
+
+    def __init__(self, event, it):
+        self.it = it
+        setattr(self, event, self._fire)
+
+    def _fire(self):
+        if self.training and self.epoch == 1 and self.iter == self.it:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("event", ["after_pred", "after_backward", "before_step", "after_step", "after_batch"])
+def test_an_interrupt_at_any_point_of_a_batch_then_the_fit_again_is_exact(tmp_path, event):
+    "Between `backward` and `zero_grad` the interrupted process holds gradients a fresh process has not."
+    ref = build(tmp_path / "ref", extra_cbs=[fr.AutoCheckpoint(every_iters=10)])
+    fit(ref, 2, 1e-2)
+    learn = build(tmp_path / "run", extra_cbs=[fr.AutoCheckpoint(every_iters=10)])
+    with pytest.raises(KeyboardInterrupt):
+        fit(learn, 2, 1e-2, cbs=InterruptAt(event, 13))
+    fit(learn, 2, 1e-2)  # the cell run again: resumes from the checkpoint of iteration 10
+    want, got = result(ref), result(learn)
+    for key in ("model", "opt", "losses", "values"):
+        assert equal(want[key], got[key]), f"{key} differs from the uninterrupted run"
+    assert len(got["losses"]) == 2 * len(ref.dls.train)
 
 
 # ---- a real Jupyter kernel ------------------------------------------------------------------------
@@ -211,11 +241,6 @@ def test_kernel_killed_mid_fit_restarted_and_run_all_again_is_exact(kernel_refer
         assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="1 of 3 CI runs ended with another model: an interrupt at some point of "
-    "a fit is not yet continued exactly (under investigation, issue 17 left open)",
-)
 def test_kernel_interrupt_then_running_the_fit_cell_again_continues_exactly(kernel_reference, tmp_path):
     ref, _ = kernel_reference
     k = Kernel(tmp_path)
