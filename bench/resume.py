@@ -4,13 +4,13 @@ k = 0, 50% and 90% of an epoch of 20,000 batches whose items cost about 0.2 ms e
 Contenders, in the same run: fastai_resume (a real checkpoint saved at iteration k, loaded by a
 fresh learner; the skip happens on the index list) and the seed PR's approach (fastai #4020: a
 callback that raises CancelBatchException in before_batch until iteration k, so every skipped
-batch is still loaded and collated). Prints a table, writes JSON (bench/results/resume.json).
+batch is still loaded and collated). Interleaved rounds (each round runs both contenders at every k),
+medians with min-max over the rounds. Prints a table, writes JSON (bench/results/resume.json).
 
-    python bench/resume.py [--batches 20000] [--item-ms 0.2]
+    python bench/resume.py [--batches 20000] [--item-ms 0.2] [--rounds 5]
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -19,7 +19,12 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+import fastai.callback.progress  # noqa: E402,F401  (Learner.no_bar)
+import report  # noqa: E402
 from fastai.callback.core import Callback, CancelBatchException, CancelFitException  # noqa: E402
 from fastai.data.core import DataLoaders  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
@@ -89,26 +94,26 @@ class SeedSkipToIter(Callback):
             raise CancelBatchException()
 
 
-def ours(path, n, ms, k, repeat=3):
-    "Best of `repeat` resumes from one checkpoint (the fit setup itself is a few noisy ms)."
+def save_at(path, n, ms, k):
+    "A real checkpoint of a fit stopped after k batches (saved as `bench`)."
+    learn = build(path, n, ms)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=SaveAt(k))
+
+
+def ours(path, n, ms, k):
+    "One resume by a fresh learner: (seconds from `fit` to the first trained batch, seconds of `learn.load`)."
+    learn = build(path, n, ms)
+    t_load = 0.0
     if k:
-        learn = build(path, n, ms)
-        with learn.no_bar(), learn.no_logging():
-            learn.fit(1, 1e-3, cbs=SaveAt(k))
-    best = (float("inf"), 0.0)
-    for _ in range(repeat):
-        learn = build(path, n, ms)
-        t_load = 0.0
-        if k:
-            t0 = time.perf_counter()
-            learn.load("bench")
-            t_load = time.perf_counter() - t0
-        probe = FirstTrainedBatch()
         t0 = time.perf_counter()
-        with learn.no_bar(), learn.no_logging():
-            learn.fit(1, 1e-3, cbs=probe)
-        best = min(best, (probe.t - t0, t_load))
-    return best
+        learn.load("bench")
+        t_load = time.perf_counter() - t0
+    probe = FirstTrainedBatch()
+    t0 = time.perf_counter()
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=probe)
+    return probe.t - t0, t_load
 
 
 def seed(path, n, ms, k):
@@ -124,34 +129,46 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, default=20000)
     ap.add_argument("--item-ms", type=float, default=0.2)
-    ap.add_argument(
-        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "resume.json")
-    )
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    rows = []
+    fracs = (0.0, 0.5, 0.9)
+    ks = [int(a.batches * f) for f in fracs]
+    runs = {k: {"ours_s": [], "ours_load_s": [], "seed_s": []} for k in ks}
+    machine = common.machine(HERE)
     with tempfile.TemporaryDirectory() as d:
-        for frac in (0.0, 0.5, 0.9):
-            k = int(a.batches * frac)
-            t_ours, t_load = ours(d, a.batches, a.item_ms, k)
-            t_seed = seed(d, a.batches, a.item_ms, k)
-            rows.append({"k": k, "fraction": frac, "ours_s": t_ours, "ours_load_s": t_load, "seed_s": t_seed})
-            print(
-                f"  k={k:6d}: ours {t_ours * 1e3:8.1f} ms (load {t_load * 1e3:.1f} ms)  seed PR {t_seed * 1e3:9.1f} ms",
-                flush=True,
-            )
-    base = rows[0]["ours_s"]
-    print(f"\nepoch of {a.batches} batches, {a.item_ms} ms per item; time from fit() to the first trained batch")
-    print("| k | fastai_resume | its learn.load | seed PR (CancelBatchException) | seed / ours | ours / ours at k=0 |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['k']} ({r['fraction']:.0%}) | {r['ours_s'] * 1e3:.1f} ms | {r['ours_load_s'] * 1e3:.1f} ms | "
-            f"{r['seed_s'] * 1e3:.1f} ms | {r['seed_s'] / r['ours_s']:.0f}x | {r['ours_s'] / base:.2f}x |"
+        for r in range(a.rounds):  # interleaved: each round runs every contender at every k, in turn
+            for k in ks:
+                path = os.path.join(d, str(k))
+                if r == 0 and k:
+                    save_at(path, a.batches, a.item_ms, k)
+                t_ours, t_load = ours(path, a.batches, a.item_ms, k)
+                t_seed = seed(path, a.batches, a.item_ms, k)
+                for key, v in (("ours_s", t_ours), ("ours_load_s", t_load), ("seed_s", t_seed)):
+                    runs[k][key].append(v)
+                print(
+                    f"  round {r} k={k:6d}: ours {t_ours * 1e3:8.1f} ms (load {t_load * 1e3:.1f} ms)  "
+                    f"seed PR {t_seed * 1e3:9.1f} ms",
+                    flush=True,
+                )
+    k0 = runs[0]["ours_s"]
+    rows = []
+    for f, k in zip(fracs, ks):
+        m = runs[k]
+        rows.append(
+            {
+                "k": k,
+                "fraction": f,
+                **{key: common.stats(v) for key, v in m.items()},
+                # paired by round: the same round's runs met the same load
+                "seed_over_ours": common.stats([x / y for x, y in zip(m["seed_s"], m["ours_s"])]),
+                "ours_over_k0": common.stats([x / y for x, y in zip(m["ours_s"], k0)]),
+            }
         )
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump({"batches": a.batches, "item_ms": a.item_ms, "rows": rows}, f, indent=1)
-    print(f"\nwrote {a.json}")
+    payload = {"machine": machine, "rounds": a.rounds, "batches": a.batches, "item_ms": a.item_ms, "rows": rows}
+    path = common.write("resume", payload, a.json)
+    print(report.render_file("resume", path))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
