@@ -158,9 +158,17 @@ def save_raw(tree, p):
 
 
 def load_raw(p):
-    buf = torch.empty(os.path.getsize(p), dtype=torch.uint8)
+    """The file's bytes into memory of the process's own: read() until every byte is in (one read()
+    returns at most 2 GiB on Linux)."""
+    n = os.path.getsize(p)
+    buf = torch.empty(n, dtype=torch.uint8)
+    mv, done = memoryview(buf.numpy()), 0
     with open(p, "rb", buffering=0) as f:
-        f.readinto(buf.numpy().data)
+        while done < n:
+            got = f.readinto(mv[done:])
+            if not got:
+                raise OSError(f"{p}: short read at {done} of {n} bytes")
+            done += got
     return buf
 
 

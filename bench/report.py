@@ -4,6 +4,7 @@ bench/results/: each benchmark's table sits in README.md between `<!-- bench:NAM
 
     python bench/report.py           # rewrite those blocks of README.md from bench/results/*.json
     python bench/report.py --check   # exit 1 if README.md differs from what the files give
+    python bench/report.py --reproduces OLD_DIR  # which figures of an earlier run's files this run's reproduce
 
 Pure JSON -> Markdown (no torch, no fastai), so the test suite can check the README quickly.
 """
@@ -220,11 +221,54 @@ def problems(text: str, results=RESULTS) -> list:
     return out
 
 
+def _figures(v, path=""):
+    "Every (path, statistics) of a result: the dicts with a median, min and max."
+    if isinstance(v, dict):
+        if {"median", "min", "max"} <= v.keys():
+            yield path, v
+            return
+        for k, x in v.items():
+            if k != "machine":
+                yield from _figures(x, f"{path}.{k}" if path else str(k))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _figures(x, f"{path}[{i}]")
+
+
+def reproduced(old_dir: str, new_dir: str = RESULTS) -> tuple:
+    """Which figures of the results in `old_dir` (the README's) a later run in `new_dir` reproduces:
+    its median inside the old run's min-max. Returns (reproduced, not reproduced) as lists of lines."""
+    yes, no = [], []
+    for name in RENDER:
+        a, b = (os.path.join(d, f"{name}.json") for d in (old_dir, new_dir))
+        if not (os.path.exists(a) and os.path.exists(b)):
+            continue
+        with open(a) as f, open(b) as g:
+            old, new = dict(_figures(json.load(f))), dict(_figures(json.load(g)))
+        for path, s in old.items():
+            if path not in new or path.endswith(".values"):
+                continue
+            m = new[path]["median"]
+            line = f"{name}: {path}: {m:.4g} against {s['median']:.4g} ({s['min']:.4g} to {s['max']:.4g})"
+            (yes if s["min"] <= m <= s["max"] else no).append(line)
+    return yes, no
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--readme", default=README)
+    ap.add_argument(
+        "--reproduces",
+        metavar="OLD_DIR",
+        help="say which figures of the results in OLD_DIR the files in bench/results/ reproduce",
+    )
     a = ap.parse_args()
+    if a.reproduces:
+        yes, no = reproduced(a.reproduces)
+        print("\n".join(["not reproduced (median outside the old range):"] + no))
+        print(f"{len(yes)} of {len(yes) + len(no)} figures reproduced within the old run's range")
+        return
     with open(a.readme) as f:
         text = f.read()
     if a.check:

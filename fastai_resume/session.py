@@ -337,11 +337,14 @@ class ResumeSession(Callback):
         sv = self.saved = _rank_view(self.saved)
         if self.opt_state is not None:  # again: a wrapper may have cleared it (fine_tune's freeze)
             self.opt.load_state_dict(self.opt_state)
-        # Gradients accumulated over batches not yet stepped, else none: an interrupt between `backward`
-        # and `zero_grad` leaves this process's gradients behind, which the next step would add to.
-        grads = sv.get("grads") or [None] * len(list(self.model.parameters()))
-        for p, g in zip(self.model.parameters(), grads):
-            p.grad = None if g is None else g.to(p.device, copy=True)
+        if sv.get("grads") is not None:  # gradients accumulated over batches not yet stepped
+            for p, g in zip(self.model.parameters(), sv["grads"]):
+                p.grad = None if g is None else g.to(p.device, copy=True)
+        else:  # zero, as fastai's `zero_grad` leaves them: an interrupt between `backward` and `zero_grad`
+            for p in self.model.parameters():  # left this process's gradients, which `backward` adds to
+                if p.grad is not None:  # (None stays None: fastai's optimizer steps a frozen parameter
+                    p.grad.detach_()  # that has a zero gradient, and skips one that has none)
+                    p.grad.zero_()
         hypers = sv["hypers"]
         if hypers and len(hypers) != len(self.opt.hypers):
             raise CheckpointError(

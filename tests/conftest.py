@@ -12,6 +12,10 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 
 @pytest.fixture(scope="session")
-def tmp_root(tmp_path_factory):
-    "A folder for the reference runs, shared by the tests of one session."
-    return str(tmp_path_factory.mktemp("runs"))
+def tmp_root(tmp_path_factory, worker_id):
+    """A folder for the reference runs, shared by the tests of one session and by every pytest-xdist
+    worker of it (their temporary folders are siblings): each reference runs once (procs.shared_run)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if worker_id != "master" else base) / "shared-runs"
+    root.mkdir(exist_ok=True)
+    return str(root)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import torch
+from filelock import FileLock
 
 import fastai_resume as fr
 
@@ -48,11 +49,28 @@ def run(path, out, *args, expect_kill=False):
 
 
 @functools.cache
-def reference(tmp_root, *args):
-    d = os.path.join(tmp_root, "ref" + "_".join(a.strip("-") for a in args))
+def shared_run(tmp_root, name, make, outs=("out.frk",)):
+    """The files `outs` that `make(folder)` writes in `tmp_root/name`, made once for the whole test
+    session: every pytest-xdist worker shares `tmp_root`, and the first to ask makes them under a
+    lock while the others wait. The files are written last and atomically (`fastai_resume.save`),
+    so their presence means a finished run."""
+    d = os.path.join(tmp_root, name)
     os.makedirs(d, exist_ok=True)
-    run(d, os.path.join(d, "out.frk"), *args)
-    return fr.load(os.path.join(d, "out.frk"))
+    paths = [os.path.join(d, o) for o in outs]
+    with FileLock(d + ".lock"):
+        if not all(os.path.exists(p) for p in paths):
+            make(d)
+    return [fr.load(p) for p in paths]
+
+
+def _name(prefix, args):
+    return prefix + "_".join(a.strip("-").replace("/", "_") for a in args)
+
+
+@functools.cache
+def reference(tmp_root, *args):
+    "The uninterrupted run of tests/trainer.py with `args`, shared by the tests of one session."
+    return shared_run(tmp_root, _name("ref", args), lambda d: run(d, os.path.join(d, "out.frk"), *args))[0]
 
 
 def equal(a, b):
@@ -85,10 +103,8 @@ def run_workload(pipeline, path, out, *args, expect=0):
 @functools.cache
 def workload_reference(tmp_root, pipeline, *args):
     "The uninterrupted run of a workload, shared by the tests of one session."
-    d = os.path.join(tmp_root, "wl-" + pipeline + "_".join(a.strip("-") for a in args))
-    os.makedirs(d, exist_ok=True)
-    run_workload(pipeline, d, os.path.join(d, "out.frk"), *args)
-    return fr.load(os.path.join(d, "out.frk"))
+    make = lambda d: run_workload(pipeline, d, os.path.join(d, "out.frk"), *args)  # noqa: E731
+    return shared_run(tmp_root, _name("wl-" + pipeline, args), make)[0]
 
 
 def crash_and_rerun(tmp_path, pipeline, die, *args, rerun=("--load", "crash"), expect=0):

@@ -46,3 +46,20 @@ def test_rewriting_puts_each_files_figures_between_its_markers():
     empty = re.sub(r"(<!-- bench:(\w+) -->\n).*?(<!-- /bench:\2 -->)", r"\1\3", readme(), flags=re.S)
     assert report.problems(empty) != []
     assert report.rewrite(empty) == readme()
+
+
+def test_a_later_run_is_compared_figure_by_figure_with_the_readmes_run(tmp_path):
+    import json
+    import shutil
+
+    yes, no = report.reproduced(report.RESULTS, report.RESULTS)  # a run reproduces itself
+    assert yes and not no
+    for name in report.RENDER:
+        shutil.copy(os.path.join(report.RESULTS, f"{name}.json"), tmp_path)
+    with open(tmp_path / "resume.json") as f:
+        res = json.load(f)
+    res["rows"][-1]["ours_s"]["median"] = 10 * res["rows"][-1]["ours_s"]["max"]  # a run 10x slower
+    with open(tmp_path / "resume.json", "w") as f:
+        json.dump(res, f)
+    yes, no = report.reproduced(report.RESULTS, str(tmp_path))
+    assert len(no) == 1 and no[0].startswith("resume: rows[2].ours_s: ")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from procs import ENV, HERE, equal, start, wait_for_line
+from procs import ENV, HERE, equal, shared_run, start, wait_for_line
 
 import fastai_resume as fr
 
@@ -54,10 +54,10 @@ def ranks(out):
 
 @functools.cache
 def reference(tmp_root, *args):
-    d = os.path.join(tmp_root, "ddp-ref" + "_".join(a.strip("-") for a in args))
-    os.makedirs(d, exist_ok=True)
-    launch(d, os.path.join(d, "out.frk"), *args)
-    return ranks(os.path.join(d, "out.frk"))
+    make = lambda d: launch(d, os.path.join(d, "out.frk"), *args)  # noqa: E731
+    return shared_run(
+        tmp_root, "ddp-ref" + "_".join(a.strip("-") for a in args), make, ("out.frk.rank0", "out.frk.rank1")
+    )
 
 
 def assert_same_on_every_rank(ref, res):
