@@ -137,6 +137,20 @@ def test_an_interrupt_at_any_point_of_a_batch_then_the_fit_again_is_exact(tmp_pa
     assert len(got["losses"]) == 2 * len(ref.dls.train)
 
 
+def test_interrupts_again_and_again_also_in_the_resumed_fit_with_worker_processes_stay_exact(tmp_path):
+    "Four interrupts, two of them in fits that had just resumed (one at its first batch), items drawn in 2 workers."
+    ref = build(tmp_path / "ref", nw=2, extra_cbs=[fr.AutoCheckpoint(every_iters=10)])
+    fit(ref, 2, 1e-2)
+    learn = build(tmp_path / "run", nw=2, extra_cbs=[fr.AutoCheckpoint(every_iters=10)])
+    for event, it in (("after_backward", 13), ("before_batch", 4), ("after_step", 5), ("after_backward", 30)):
+        with pytest.raises(KeyboardInterrupt):
+            fit(learn, 2, 1e-2, cbs=InterruptAt(event, it))
+    fit(learn, 2, 1e-2)
+    want, got = result(ref), result(learn)
+    for key in ("model", "opt", "losses", "values"):
+        assert equal(want[key], got[key]), f"{key} differs from the uninterrupted run"
+
+
 # ---- a real Jupyter kernel ------------------------------------------------------------------------
 
 jupyter_client = pytest.importorskip("jupyter_client")
