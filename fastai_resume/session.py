@@ -10,6 +10,8 @@ without training, continues the saved one at its iteration, and refuses a change
 the Learner (an exported or pickled Learner carries none of it). `ResumeSession` is the callback of one
 fit: it tracks the position for `save(with_iter=True)`, captures the training state, and, when a resume
 is armed, restores it and skips the finished work, with the decisions made by `_core.SkipToIter`.
+(About 600 lines: the stage bookkeeping and the fit's session share their state and are read together;
+what each captures or restores is in `loaders.py` and `state.py`.)
 """
 
 from __future__ import annotations

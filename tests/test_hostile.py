@@ -1,5 +1,6 @@
 """Hostile and damaged checkpoint files through `fastai_resume.load`, each loaded in a subprocess
-so that a crash (a segfault, an abort) fails the test instead of the test run.
+so that a crash (a segfault, an abort) fails the test instead of the test run. (About 1,000 lines:
+each hostile file is built by hand here, from the layout, next to the check that must catch it.)
 
 * truncation at every byte offset of a real checkpoint, and 10,000 random bit flips over every
   checksum-covered byte, all raise CheckpointError (one subprocess each, looping);
