@@ -328,6 +328,12 @@ def validate_train(train) -> None:
                         where,
                         f"expected a number, a flag or None, got {type(x).__name__}",
                     )
+        gs = t.get("grad_set")
+        _need(
+            gs is None or (isinstance(gs, (list, tuple)) and all(isinstance(b, bool) for b in gs)),
+            "train.grad_set",
+            "expected a list of bools",
+        )
         if t["grads"] is not None:
             for i, g in enumerate(_seq(t["grads"], "train.grads")):
                 if g is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from fastai.callback.core import Callback
 
 from . import _core, check, dist, loaders, state
@@ -339,14 +340,7 @@ class ResumeSession(Callback):
         sv = self.saved = _rank_view(self.saved)
         if self.opt_state is not None:  # again: a wrapper may have cleared it (fine_tune's freeze)
             self.opt.load_state_dict(self.opt_state)
-        if sv.get("grads") is not None:  # gradients accumulated over batches not yet stepped
-            for p, g in zip(self.model.parameters(), sv["grads"]):
-                p.grad = None if g is None else g.to(p.device, copy=True)
-        else:  # zero, as fastai's `zero_grad` leaves them: an interrupt between `backward` and `zero_grad`
-            for p in self.model.parameters():  # left this process's gradients, which `backward` adds to
-                if p.grad is not None:  # (None stays None: fastai's optimizer steps a frozen parameter
-                    p.grad.detach_()  # that has a zero gradient, and skips one that has none)
-                    p.grad.zero_()
+        self._restore_grads(sv)
         hypers = sv["hypers"]
         if hypers and len(hypers) != len(self.opt.hypers):
             raise CheckpointError(
@@ -373,6 +367,31 @@ class ResumeSession(Callback):
                 getattr(dl, "n_inp", None)
             except Exception:
                 pass
+
+    def _restore_grads(self, sv):
+        """Each parameter's gradient as the uninterrupted run had it: the pending ones of an accumulation,
+        else zero where it had one and none where it had none. fastai's optimizer steps every parameter
+        that has a gradient, a frozen one with a zero gradient too (its Adam moments and weight decay go
+        on), so whether a gradient exists is state: a rerun that skipped the stages that made them has
+        none. In the process itself, an interrupt between `backward` and `zero_grad` left gradients
+        that the next `backward` would add to."""
+        ps = list(self.model.parameters())
+        had, pending = sv.get("grad_set"), sv.get("grads")
+        for saved in (had, pending):
+            if saved is not None and len(saved) != len(ps):
+                raise CheckpointError(
+                    f"{self.source}: {len(saved)} gradients saved; the model has {len(ps)} parameters"
+                )
+        for i, p in enumerate(ps):
+            if pending is not None:
+                p.grad = None if pending[i] is None else pending[i].to(p.device, copy=True)
+            elif not (had[i] if had is not None else p.grad is not None):
+                p.grad = None
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
 
     def _seed_workers(self, dl):
         if (
@@ -579,6 +598,7 @@ class ResumeSession(Callback):
             "ranks": None if ranks is None else [None] + ranks[1:],  # rank 0's are the fields above
             "hypers": state.plain([dict(h) for h in learn.opt.hypers]),
             "grads": _pending_grads(learn.model),
+            "grad_set": [p.grad is not None for p in learn.model.parameters()],
             "rows": rows,
             "callbacks": state.callback_states(learn),
         }

@@ -39,3 +39,43 @@ def test_a_changed_script_is_refused_with_the_difference(tmp_path):
         tmp_path, "digits", "1,0,10", *STAGES, rerun=("--load", "crash", "--lr", "0.005"), expect=1
     )
     assert "stage 0 of this script differs" in log and "lr_max 0.01 -> 0.005" in log and "resume=False" in log
+
+
+def test_a_frozen_stage_after_an_unfrozen_one_resumes_exactly_after_the_rerun_skipped_it(tmp_path):
+    """fastai's optimizer steps every parameter that has a gradient, a frozen one with a zero gradient
+    too (its Adam moments and weight decay go on). After an unfrozen stage the frozen body has zero
+    gradients; a rerun that skips that stage has none unless the checkpoint says which existed.
+    (In one process: a new Learner is a new script, with a new model that has no gradients.)"""
+    from fastai.callback.core import Callback, CancelFitException
+    from fastai.torch_core import params
+    from procs import equal
+    from trainer import build, result
+
+    def learner():
+        learn = build(tmp_path, noise=False)
+        learn.splitter = lambda m: [params(m[0]), params(m[3])]  # the body and the head
+        return learn
+
+    class SaveAndStop(Callback):
+        order = 100
+
+        def after_batch(self):
+            if self.training and self.epoch == 1 and self.iter == 7:
+                self.learn.save("ck", with_iter=True)
+                raise CancelFitException()
+
+    def script(learn, cbs=()):
+        with learn.no_bar(), learn.no_logging():
+            learn.unfreeze()
+            learn.fit_one_cycle(1, 1e-2)
+            learn.freeze()
+            learn.fit_one_cycle(2, 1e-2, cbs=list(cbs))
+        return learn
+
+    want = result(script(learner()))
+    script(learner(), [SaveAndStop()])
+    rerun = learner()
+    rerun.load("ck")
+    got = result(script(rerun))
+    for key in ("model", "opt", "losses", "lrs"):
+        assert equal(want[key], got[key]), f"{key} differs from the uninterrupted run"

@@ -104,6 +104,7 @@ def test_a_model_entry_of_the_wrong_type_leaves_model_and_optimizer_untouched(mi
         (("rng", "torch"), [1, 2], "train.rng.torch"),
         (("recorder", "lrs"), torch.zeros(4), "train.recorder.lrs"),
         (("stages",), [], "train.stages"),
+        (("grad_set",), [1, 0], "train.grad_set"),
     ],
 )
 def test_a_malformed_training_state_is_refused_at_load_naming_the_field(mid_fit, where, value, field):
