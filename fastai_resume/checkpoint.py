@@ -22,7 +22,16 @@ import torch
 from . import dist, io
 from .io import CheckpointError
 
-__all__ = ["STATE_VERSION", "build_tree", "commit", "read", "validate_train", "model_mismatch", "remove_dead_temps"]
+__all__ = [
+    "STATE_VERSION",
+    "build_tree",
+    "commit",
+    "read",
+    "validate_train",
+    "grads_mismatch",
+    "model_mismatch",
+    "remove_dead_temps",
+]
 
 STATE_VERSION = 2  # 2: stages, loader states, validation-time RNG; 1 files are refused with a message
 
@@ -373,6 +382,15 @@ def read(path: Path) -> dict:
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
     return tree
+
+
+def grads_mismatch(train: dict, n_params: int) -> str:
+    "What is wrong with a training state's gradient lists for a model of `n_params` parameters ('' if nothing)."
+    for key in ("grad_set", "grads"):
+        saved = train.get(key)
+        if saved is not None and len(saved) != n_params:
+            return f"train.{key} has {len(saved)} entries, the model has {n_params} parameters"
+    return ""
 
 
 def model_mismatch(current: dict, saved: dict, strict: bool) -> str:

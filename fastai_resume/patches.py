@@ -208,14 +208,9 @@ def _load_tree(learn, path, tree, device, with_opt, strict):
     bad = checkpoint.model_mismatch(model.state_dict(), tree["model"], strict)
     if bad:
         raise CheckpointError(f"{path} does not fit this learner's model: {bad}")
-    n_params = len(list(learn.model.parameters()))
-    for key in ("grad_set", "grads") if strict else ():  # (strict=False: only a resume would need them)
-        saved = (tree.get("train") or {}).get(key)
-        if saved is not None and len(saved) != n_params:
-            raise CheckpointError(
-                f"{path}: malformed training state: train.{key} has {len(saved)} entries, "
-                f"the model has {n_params} parameters"
-            )
+    bad = strict and checkpoint.grads_mismatch(tree.get("train") or {}, len(list(learn.model.parameters())))
+    if bad:  # (strict=False: checked when a resume restores them)
+        raise CheckpointError(f"{path}: malformed training state: {bad}")
     prev_opt = None
     if with_opt and "opt" in tree:
         bad = checkpoint.opt_mismatch(learn.opt, tree["opt"])

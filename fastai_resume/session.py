@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from fastai.callback.core import Callback
 
-from . import _core, check, dist, loaders, state
+from . import _core, check, checkpoint, dist, loaders, state
 from .io import CheckpointError
 
 __all__ = ["Script", "Armed", "Stage", "FitPlan", "ResumeSession", "script", "session_of", "InBatchSave"]
@@ -376,16 +376,15 @@ class ResumeSession(Callback):
         none. In the process itself, an interrupt between `backward` and `zero_grad` left gradients
         that the next `backward` would add to."""
         ps = list(self.model.parameters())
+        bad = checkpoint.grads_mismatch(sv, len(ps))
+        if bad:
+            raise CheckpointError(f"{self.source}: malformed training state: {bad}")
         had, pending = sv.get("grad_set"), sv.get("grads")
-        for saved in (had, pending):
-            if saved is not None and len(saved) != len(ps):
-                raise CheckpointError(
-                    f"{self.source}: {len(saved)} gradients saved; the model has {len(ps)} parameters"
-                )
         for i, p in enumerate(ps):
+            has = had[i] if had is not None else p.grad is not None  # (older files: what the process has)
             if pending is not None:
                 p.grad = None if pending[i] is None else pending[i].to(p.device, copy=True)
-            elif not (had[i] if had is not None else p.grad is not None):
+            elif not has:
                 p.grad = None
             elif p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -48,7 +48,6 @@ def run(path, out, *args, expect_kill=False):
     return p.stdout
 
 
-@functools.cache
 def shared_run(tmp_root, name, make, outs=("out.frk",)):
     """The files `outs` that `make(folder)` writes in `tmp_root/name`, made once for the whole test
     session: every pytest-xdist worker shares `tmp_root`, and the first to ask makes them under a
@@ -63,14 +62,14 @@ def shared_run(tmp_root, name, make, outs=("out.frk",)):
     return [fr.load(p) for p in paths]
 
 
-def _name(prefix, args):
+def run_name(prefix, args):
     return prefix + "_".join(a.strip("-").replace("/", "_") for a in args)
 
 
 @functools.cache
 def reference(tmp_root, *args):
     "The uninterrupted run of tests/trainer.py with `args`, shared by the tests of one session."
-    return shared_run(tmp_root, _name("ref", args), lambda d: run(d, os.path.join(d, "out.frk"), *args))[0]
+    return shared_run(tmp_root, run_name("ref", args), lambda d: run(d, os.path.join(d, "out.frk"), *args))[0]
 
 
 def equal(a, b):
@@ -104,7 +103,7 @@ def run_workload(pipeline, path, out, *args, expect=0):
 def workload_reference(tmp_root, pipeline, *args):
     "The uninterrupted run of a workload, shared by the tests of one session."
     make = lambda d: run_workload(pipeline, d, os.path.join(d, "out.frk"), *args)  # noqa: E731
-    return shared_run(tmp_root, _name("wl-" + pipeline, args), make)[0]
+    return shared_run(tmp_root, run_name("wl-" + pipeline, args), make)[0]
 
 
 def crash_and_rerun(tmp_path, pipeline, die, *args, rerun=("--load", "crash"), expect=0):

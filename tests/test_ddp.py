@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from procs import ENV, HERE, equal, shared_run, start, wait_for_line
+from procs import ENV, HERE, equal, run_name, shared_run, start, wait_for_line
 
 import fastai_resume as fr
 
@@ -55,9 +55,7 @@ def ranks(out):
 @functools.cache
 def reference(tmp_root, *args):
     make = lambda d: launch(d, os.path.join(d, "out.frk"), *args)  # noqa: E731
-    return shared_run(
-        tmp_root, "ddp-ref" + "_".join(a.strip("-") for a in args), make, ("out.frk.rank0", "out.frk.rank1")
-    )
+    return shared_run(tmp_root, run_name("ddp-ref", args), make, ("out.frk.rank0", "out.frk.rank1"))
 
 
 def assert_same_on_every_rank(ref, res):
