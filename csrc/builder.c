@@ -42,8 +42,8 @@ void frk_builder_free(frk_builder *b)
     free(b);
 }
 
-int frk_builder_add_blob(frk_builder *b, const void *data, uint64_t len, uint64_t *idx,
-                         frk_error *err)
+static int add_blob(frk_builder *b, const void *data, uint64_t len, int has_crc, uint32_t crc,
+                    uint64_t *idx, frk_error *err)
 {
     if (b->n_blobs == b->cap_blobs) {
         size_t cap = b->cap_blobs ? b->cap_blobs * 2 : 16;
@@ -53,10 +53,25 @@ int frk_builder_add_blob(frk_builder *b, const void *data, uint64_t len, uint64_
         b->blobs = nb;
         b->cap_blobs = cap;
     }
-    b->blobs[b->n_blobs].data = data;
-    b->blobs[b->n_blobs].len = len;
+    frk_blob_ref *r = &b->blobs[b->n_blobs];
+    r->data = data;
+    r->len = len;
+    r->crc = crc;
+    r->has_crc = has_crc;
     *idx = b->n_blobs++;
     return FRK_OK;
+}
+
+int frk_builder_add_blob(frk_builder *b, const void *data, uint64_t len, uint64_t *idx,
+                         frk_error *err)
+{
+    return add_blob(b, data, len, 0, 0, idx, err);
+}
+
+int frk_builder_add_blob_crc(frk_builder *b, const void *data, uint64_t len, uint32_t crc,
+                             uint64_t *idx, frk_error *err)
+{
+    return add_blob(b, data, len, 1, crc, idx, err);
 }
 
 int frk_builder_add_tensor(frk_builder *b, unsigned kind, unsigned dtype, uint64_t blob,

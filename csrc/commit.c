@@ -11,15 +11,67 @@
 #include <string.h>
 #include <unistd.h>
 
-#define WRITE_CHUNK (1u << 20)
+#ifdef __linux__
+#include <linux/magic.h>
+#include <sys/vfs.h>
+#endif
+#include <stdatomic.h>
 
-static int write_all(int fd, const void *data, size_t len)
+#define WRITE_CHUNK (1u << 20)       /* buffered: checksummed, then written while in cache */
+#define DIRECT_CHUNK (8u << 20)      /* direct: larger writes, each one waits for the device */
+#define STAGE_SIZE ((size_t)8 << 20) /* the direct path's staging buffer */
+
+/* Where the commit's bytes go: the temporary file, written in one sequential pass, either
+ * through the page cache, or (direct) with O_DIRECT in whole pages from page-aligned memory:
+ * bytes gather in a staging buffer, and a page-aligned piece at a page-aligned file position goes
+ * out from where it is. */
+typedef struct {
+    int fd;
+    int direct;
+    uint8_t *stage; /* direct: STAGE_SIZE bytes on a page */
+    size_t staged;  /* bytes in stage, the next ones of the file */
+} sink;
+
+/* One staging buffer kept for the process's next commit (commits may run in several threads at
+ * once: each takes it, or allocates its own, and gives one back). */
+static _Atomic(uint8_t *) kept_stage;
+
+static uint8_t *stage_take(void)
+{
+    uint8_t *p = atomic_exchange(&kept_stage, NULL);
+    void *m;
+    if (!p && !posix_memalign(&m, FRK_PAGE_ALIGN, STAGE_SIZE))
+        p = m;
+    return p;
+}
+
+static void stage_give(uint8_t *p)
+{
+    if (p)
+        free(atomic_exchange(&kept_stage, p));
+}
+
+/* O_DIRECT off for the rest of the file: this file system refused it. */
+static int sink_buffered(sink *s)
+{
+    int fl = fcntl(s->fd, F_GETFL);
+    if (fl < 0 || fcntl(s->fd, F_SETFL, fl & ~O_DIRECT) < 0)
+        return -1;
+    s->direct = 0;
+    return 0;
+}
+
+/* Writes all of data, retrying partial writes and EINTR; a direct write refused with EINVAL (a
+ * file system without O_DIRECT for this size or alignment) is written again buffered. */
+static int sink_write(sink *s, const void *data, size_t len)
 {
     const uint8_t *p = data;
     while (len) {
-        ssize_t n = write(fd, p, len > (1u << 30) ? (1u << 30) : len);
+        ssize_t n = write(s->fd, p, len > (1u << 30) ? (1u << 30) : len);
         if (n < 0) {
             if (errno == EINTR)
+                continue;
+            if (errno == EINVAL && s->direct && !sink_buffered(s))
                 continue;
             return -1;
         }
@@ -31,6 +83,77 @@ static int write_all(int fd, const void *data, size_t len)
         len -= (size_t)n;
     }
     return 0;
+}
+
+static int sink_flush(sink *s)
+{
+    size_t n = s->staged;
+    s->staged = 0;
+    return n ? sink_write(s, s->stage, n) : 0;
+}
+
+/* Appends len bytes to the file. */
+static int sink_put(sink *s, const void *data, size_t len)
+{
+    const uint8_t *p = data;
+    while (len) {
+        if (!s->direct)
+            return sink_flush(s) || sink_write(s, p, len) ? -1 : 0;
+        size_t whole = len / FRK_PAGE_ALIGN * FRK_PAGE_ALIGN;
+        if (whole && s->staged % FRK_PAGE_ALIGN == 0 && (uintptr_t)p % FRK_PAGE_ALIGN == 0) {
+            if (sink_flush(s) || sink_write(s, p, whole))
+                return -1;
+            p += whole;
+            len -= whole;
+            continue;
+        }
+        size_t n = STAGE_SIZE - s->staged < len ? STAGE_SIZE - s->staged : len;
+        memcpy(s->stage + s->staged, p, n);
+        s->staged += n;
+        p += n;
+        len -= n;
+        if (s->staged == STAGE_SIZE && sink_flush(s))
+            return -1;
+    }
+    return 0;
+}
+
+/* The last bytes: a direct file's tail page is written whole (zero-padded), and the file is then
+ * cut back to its size. */
+static int sink_finish(sink *s, uint64_t file_size)
+{
+    if (!s->direct || !s->staged)
+        return sink_flush(s);
+    size_t padded = (s->staged + FRK_PAGE_ALIGN - 1) / FRK_PAGE_ALIGN * FRK_PAGE_ALIGN;
+    memset(s->stage + s->staged, 0, padded - s->staged);
+    s->staged = padded;
+    if (sink_flush(s))
+        return -1;
+    return ftruncate(s->fd, (off_t)file_size);
+}
+
+/* Direct I/O where it saves something: not on tmpfs or ramfs, whose pages are the storage. */
+static void sink_try_direct(sink *s)
+{
+#ifdef __linux__
+    struct statfs fs;
+    if (fstatfs(s->fd, &fs) == 0 &&
+        ((unsigned long)fs.f_type == TMPFS_MAGIC || (unsigned long)fs.f_type == RAMFS_MAGIC))
+        return;
+    if (!(s->stage = stage_take()))
+        return;
+    int fl = fcntl(s->fd, F_GETFL);
+    if (fl >= 0 && fcntl(s->fd, F_SETFL, fl | O_DIRECT) == 0)
+        s->direct = 1;
+#else
+    (void)s;
+#endif
+}
+
+/* A blob's place: big ones on a page, so that a direct commit can write them from where they are. */
+static uint64_t blob_align(uint64_t len)
+{
+    return len >= FRK_PAGE_ALIGN_MIN ? FRK_PAGE_ALIGN : FRK_BLOB_ALIGN;
 }
 
 static uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
@@ -85,6 +208,7 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
     uint8_t *index = NULL;
     char dir[4096], tmp[256];
     const char *base;
+    sink snk = {-1, 0, NULL, 0};
 
     if (split_path(path, dir, sizeof dir, &base) || !*base)
         return frk_fail(err, FRK_EINVAL, 0, "invalid checkpoint path %s", path);
@@ -103,7 +227,7 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
         return frk_oom(err);
     uint64_t off = FRK_PREAMBLE_SIZE;
     for (size_t i = 0; i < b->n_blobs; i++) {
-        off = align_up(off, FRK_BLOB_ALIGN);
+        off = align_up(off, blob_align(b->blobs[i].len));
         offsets[i] = off;
         if (__builtin_add_overflow(off, b->blobs[i].len, &off)) {
             rc = frk_fail(err, FRK_EINVAL, 0, "checkpoint larger than 2^64 bytes");
@@ -149,11 +273,15 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
         goto fail_tmp;
     }
 
+    snk.fd = fd;
+    if (flags & FRK_COMMIT_DIRECT)
+        sink_try_direct(&snk);
+
     uint8_t head[FRK_PREAMBLE_SIZE] = {0};
-    static const uint8_t zeros[FRK_BLOB_ALIGN];
+    static const uint8_t zeros[FRK_PAGE_ALIGN];
     memcpy(head + FRK_PRE_MAGIC, FRK_PREAMBLE_MAGIC, FRK_MAGIC_SIZE);
     frk_put32(head + FRK_PRE_VERSION, FRK_FORMAT_VERSION);
-    if (write_all(fd, head, sizeof head))
+    if (sink_put(&snk, head, sizeof head))
         goto io_error;
 
     uint8_t *q = index;
@@ -161,27 +289,35 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
     q += FRK_INDEX_WORD;
     uint64_t pos = FRK_PREAMBLE_SIZE;
     for (size_t i = 0; i < b->n_blobs; i++) {
-        if (write_all(fd, zeros, (size_t)(offsets[i] - pos)))
+        if (sink_put(&snk, zeros, (size_t)(offsets[i] - pos)))
             goto io_error;
-        const uint8_t *p = b->blobs[i].data;
-        uint64_t left = b->blobs[i].len;
+        const frk_blob_ref *blob = &b->blobs[i];
+        const uint8_t *p = blob->data;
+        uint64_t left = blob->len;
         uint32_t crc = 0;
+        if (blob->has_crc) {
+            crc = blob->crc; /* taken while the bytes were copied: not read again for it */
+            if (left && sink_put(&snk, p, (size_t)left))
+                goto io_error;
+            left = 0;
+        }
         while (left) {
-            size_t n = left > WRITE_CHUNK ? WRITE_CHUNK : (size_t)left;
-            crc = frk_crc32c(crc, p, n); /* while the chunk is still in cache */
-            if (write_all(fd, p, n))
+            size_t chunk = snk.direct ? DIRECT_CHUNK : WRITE_CHUNK;
+            size_t n = left > chunk ? chunk : (size_t)left;
+            crc = frk_crc32c(crc, p, n); /* buffered: while the chunk is still in cache */
+            if (sink_put(&snk, p, n))
                 goto io_error;
             p += n;
             left -= n;
         }
-        pos = offsets[i] + b->blobs[i].len;
+        pos = offsets[i] + blob->len;
         frk_put64(q + FRK_BLOB_OFFSET, offsets[i]);
-        frk_put64(q + FRK_BLOB_LENGTH, b->blobs[i].len);
+        frk_put64(q + FRK_BLOB_LENGTH, blob->len);
         frk_put32(q + FRK_BLOB_CRC, crc);
         frk_put32(q + FRK_BLOB_RESERVED, 0);
         q += FRK_BLOB_ENTRY_SIZE;
     }
-    if (write_all(fd, zeros, (size_t)(index_offset - pos)))
+    if (sink_put(&snk, zeros, (size_t)(index_offset - pos)))
         goto io_error;
     frk_put64(q, b->n_tensors);
     q += FRK_INDEX_WORD;
@@ -200,7 +336,8 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
     frk_put32(foot + FRK_FOOT_VERSION, FRK_FORMAT_VERSION);
     frk_put32(foot + FRK_FOOT_CRC, frk_crc32c(0, foot, FRK_FOOT_CRC));
     memcpy(foot + FRK_FOOT_MAGIC, FRK_FOOTER_MAGIC, FRK_MAGIC_SIZE);
-    if (write_all(fd, index, index_size) || write_all(fd, foot, sizeof foot))
+    if (sink_put(&snk, index, index_size) || sink_put(&snk, foot, sizeof foot) ||
+        sink_finish(&snk, file_size))
         goto io_error;
     if ((flags & FRK_COMMIT_FSYNC) && fsync(fd))
         goto io_error;
@@ -239,6 +376,7 @@ fail_tmp:
 out:
     if (dfd >= 0)
         close(dfd);
+    stage_give(snk.stage);
     free(offsets);
     free(index);
     return rc;

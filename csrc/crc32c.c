@@ -1,8 +1,10 @@
 /* CRC32C (Castagnoli, reflected polynomial 0x82F63B78): hardware instructions
  * where the CPU has them (SSE4.2 on x86-64, the CRC extension on ARMv8),
- * chosen once at run time, and a portable slicing-by-8 fallback. */
+ * chosen once at run time, and a portable slicing-by-8 fallback; joining two CRCs, and a copy
+ * that checksums what it copies. */
 #include "frk.h"
 
+#include <pthread.h>
 #include <string.h>
 
 #define POLY 0x82F63B78u
@@ -190,3 +192,95 @@ uint32_t frk_crc32c_portable(uint32_t crc, const void *data, size_t len)
 }
 
 const char *frk_crc32c_impl(void) { return impl_name; }
+
+/* ---- combining and copying ---------------------------------------------------------------- */
+
+/* The CRC of A || B from crc(A), crc(B) and len(B): appending len(B) zero bytes to A's raw state
+ * is a linear map over GF(2), applied here by repeated squaring of the one-zero-bit operator, so
+ * the cost is logarithmic in len(B). */
+static uint32_t gf2_apply(const uint32_t *mat, uint32_t vec)
+{
+    uint32_t sum = 0;
+    for (; vec; vec >>= 1, mat++)
+        if (vec & 1)
+            sum ^= *mat;
+    return sum;
+}
+
+static void gf2_square(uint32_t *out, const uint32_t *mat)
+{
+    for (int n = 0; n < 32; n++)
+        out[n] = gf2_apply(mat, mat[n]);
+}
+
+uint32_t frk_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
+{
+    uint32_t even[32], odd[32]; /* operators for 2^k zero bits, alternately */
+    if (!len2)
+        return crc1;
+    odd[0] = POLY; /* one zero bit */
+    for (int n = 1; n < 32; n++)
+        odd[n] = 1u << (n - 1);
+    gf2_square(even, odd); /* two zero bits */
+    gf2_square(odd, even); /* four */
+    for (;;) {             /* then one zero byte, two, four, ...: the bits of len2 */
+        gf2_square(even, odd);
+        if (len2 & 1)
+            crc1 = gf2_apply(even, crc1);
+        if (!(len2 >>= 1))
+            break;
+        gf2_square(odd, even);
+        if (len2 & 1)
+            crc1 = gf2_apply(odd, crc1);
+        if (!(len2 >>= 1))
+            break;
+    }
+    return crc1 ^ crc2;
+}
+
+#define COPY_PIECE (64u << 10)          /* copied, then checksummed while still in cache */
+#define COPY_SPLIT_MIN ((size_t)16 << 20) /* from here on the copy is split over two threads */
+
+static uint32_t copy_crc_one(void *dst, const void *src, size_t len)
+{
+    uint8_t *d = dst;
+    const uint8_t *s = src;
+    uint32_t crc = 0;
+    while (len) {
+        size_t n = len < COPY_PIECE ? len : COPY_PIECE;
+        memcpy(d, s, n);
+        crc = frk_crc32c(crc, d, n);
+        d += n;
+        s += n;
+        len -= n;
+    }
+    return crc;
+}
+
+typedef struct {
+    void *dst;
+    const void *src;
+    size_t len;
+    uint32_t crc;
+} copy_job;
+
+static void *copy_crc_thread(void *arg)
+{
+    copy_job *j = arg;
+    j->crc = copy_crc_one(j->dst, j->src, j->len);
+    return NULL;
+}
+
+uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len)
+{
+    if (len < COPY_SPLIT_MIN)
+        return copy_crc_one(dst, src, len);
+    size_t half = len / 2 / 4096 * 4096; /* the second half starts on a page */
+    copy_job tail = {(uint8_t *)dst + half, (const uint8_t *)src + half, len - half, 0};
+    pthread_t t;
+    if (pthread_create(&t, NULL, copy_crc_thread, &tail))
+        return copy_crc_one(dst, src, len); /* no thread to be had: one pass */
+    uint32_t head = copy_crc_one(dst, src, half);
+    pthread_join(t, NULL);
+    return frk_crc32c_combine(head, tail.crc, tail.len);
+}

@@ -48,6 +48,12 @@ uint32_t frk_crc32c(uint32_t crc, const void *data, size_t len);
 uint32_t frk_crc32c_portable(uint32_t crc, const void *data, size_t len);
 /* "sse4.2", "armv8-crc" or "portable": what frk_crc32c uses on this CPU. */
 const char *frk_crc32c_impl(void);
+/* The CRC32C of A || B, given crc1 of A, crc2 of B and B's length. */
+uint32_t frk_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+/* Copies len bytes from src to dst (not overlapping) and returns their CRC32C, each piece
+ * checksummed while it is still in cache; from 16 MiB on, split over two threads. Safe to call
+ * without the GIL. */
+uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len);
 
 /* ---- value tree ---------------------------------------------------------- */
 
@@ -135,6 +141,11 @@ void frk_builder_free(frk_builder *b);
  * unchanged until commit returns.  *idx receives the blob's index. */
 int frk_builder_add_blob(frk_builder *b, const void *data, uint64_t len, uint64_t *idx,
                          frk_error *err);
+/* The same for bytes whose CRC32C the caller already has (frk_copy_crc32c): the commit writes
+ * crc into the blob table without reading the bytes for it.  A wrong crc makes a file that every
+ * verifying read refuses. */
+int frk_builder_add_blob_crc(frk_builder *b, const void *data, uint64_t len, uint32_t crc,
+                             uint64_t *idx, frk_error *err);
 int frk_builder_add_tensor(frk_builder *b, unsigned kind, unsigned dtype, uint64_t blob,
                            uint64_t storage_offset, unsigned ndim, const int64_t *sizes,
                            const int64_t *strides, uint64_t *idx, frk_error *err);
@@ -148,6 +159,14 @@ int frk_builder_put_tensor(frk_builder *b, uint64_t tensor, frk_error *err);
 
 /* Flags for frk_builder_commit. */
 #define FRK_COMMIT_FSYNC 1u
+/* Write around the page cache (O_DIRECT, through a page-aligned staging buffer kept for the
+ * next commit; page-aligned blobs go out from where they are).  A file system that refuses it
+ * gets the rest written buffered; tmpfs and ramfs (whose page cache is the storage) always do. */
+#define FRK_COMMIT_DIRECT 2u
+/* Blobs of at least this many bytes start on a FRK_PAGE_ALIGN boundary in files this writer
+ * makes (readers require FRK_BLOB_ALIGN only), so that O_DIRECT can write them in place. */
+#define FRK_PAGE_ALIGN 4096u
+#define FRK_PAGE_ALIGN_MIN ((uint64_t)1 << 20)
 
 /* Writes the checkpoint to path atomically: a temporary file in the same
  * directory, preallocated, written in one sequential pass, fsynced, renamed

@@ -46,6 +46,8 @@ uint8_t *frk_buf_grow(frk_buf *b, size_t n);
 typedef struct {
     const void *data;
     uint64_t len;
+    uint32_t crc; /* the bytes' CRC32C, when has_crc: the commit then does not read them for it */
+    int has_crc;
 } frk_blob_ref;
 
 /* The builder's state, read by the commit. */

@@ -162,10 +162,23 @@ static void Writer_dealloc(WriterObject *w)
     Py_DECREF(tp);
 }
 
-static PyObject *Writer_add_blob(WriterObject *w, PyObject *obj)
+static PyObject *Writer_add_blob(WriterObject *w, PyObject *args, PyObject *kw)
 {
-    if (!writer_open(w))
+    static char *kwlist[] = {"", "crc", NULL};
+    PyObject *obj, *crc_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O:add_blob", kwlist, &obj, &crc_o) ||
+        !writer_open(w))
         return NULL;
+    unsigned long crc = 0;
+    if (crc_o != Py_None) {
+        crc = PyLong_AsUnsignedLong(crc_o);
+        if (crc == (unsigned long)-1 && PyErr_Occurred())
+            return NULL;
+        if (crc > 0xFFFFFFFFul) {
+            PyErr_SetString(PyExc_OverflowError, "crc must fit in 32 bits");
+            return NULL;
+        }
+    }
     if (w->n_views == w->cap_views) {
         Py_ssize_t cap = w->cap_views ? w->cap_views * 2 : 16;
         Py_buffer *nv = PyMem_Realloc(w->views, (size_t)cap * sizeof *nv);
@@ -179,7 +192,10 @@ static PyObject *Writer_add_blob(WriterObject *w, PyObject *obj)
         return NULL;
     uint64_t idx;
     frk_error err;
-    if (frk_builder_add_blob(w->b, v->buf, (uint64_t)v->len, &idx, &err)) {
+    int rc = crc_o == Py_None
+                 ? frk_builder_add_blob(w->b, v->buf, (uint64_t)v->len, &idx, &err)
+                 : frk_builder_add_blob_crc(w->b, v->buf, (uint64_t)v->len, (uint32_t)crc, &idx, &err);
+    if (rc) {
         PyBuffer_Release(v);
         return raise_frk(state_of_type(Py_TYPE(w)), &err);
     }
@@ -339,11 +355,11 @@ static PyObject *Writer_put_tensor(WriterObject *w, PyObject *v)
 /* Parses commit's arguments into w->path and w->flags. */
 static int writer_prepare(WriterObject *w, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"path", "fsync", NULL};
+    static char *kwlist[] = {"path", "fsync", "direct", NULL};
     PyObject *path_o;
-    int do_fsync = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|p", kwlist, PyUnicode_FSConverter, &path_o,
-                                     &do_fsync))
+    int do_fsync = 1, direct = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|pp", kwlist, PyUnicode_FSConverter, &path_o,
+                                     &do_fsync, &direct))
         return -1;
     if (!writer_open(w)) {
         Py_DECREF(path_o);
@@ -359,7 +375,8 @@ static int writer_prepare(WriterObject *w, PyObject *args, PyObject *kw)
     }
     memcpy(w->path, p, n);
     Py_DECREF(path_o);
-    w->flags = do_fsync ? FRK_COMMIT_FSYNC : 0;
+    /* Around the page cache only when the bytes must reach the disk anyway. */
+    w->flags = do_fsync ? FRK_COMMIT_FSYNC | (direct ? FRK_COMMIT_DIRECT : 0) : 0;
     return 0;
 }
 
@@ -426,10 +443,11 @@ static PyObject *Writer_get_done(WriterObject *w, void *Py_UNUSED(c))
 
 #define PUT_DOC(name, arg, what) #name "($self, " #arg ", /)\n--\n\n" what
 static PyMethodDef Writer_methods[] = {
-    {"add_blob", (PyCFunction)Writer_add_blob, METH_O,
-     "add_blob($self, buffer, /)\n--\n\n"
+    {"add_blob", (PyCFunction)(void (*)(void))Writer_add_blob, METH_VARARGS | METH_KEYWORDS,
+     "add_blob($self, buffer, /, crc=None)\n--\n\n"
      "Register buffer's bytes as a blob; returns its index. The buffer is held, not copied, "
-     "until the commit ends."},
+     "until the commit ends. crc: the bytes' CRC32C when the caller has it (copy_crc32c); "
+     "the commit then does not read them for it."},
     {"add_tensor", (PyCFunction)Writer_add_tensor, METH_VARARGS,
      "add_tensor($self, kind, dtype, blob, storage_offset, sizes, strides, /)\n--\n\n"
      "Add a tensor entry (a strided view of blob); returns its index."},
@@ -451,10 +469,12 @@ static PyMethodDef Writer_methods[] = {
     {"put_tensor", (PyCFunction)Writer_put_tensor, METH_O,
      PUT_DOC(put_tensor, index, "Append a reference to tensor index.")},
     {"commit", (PyCFunction)(void (*)(void))Writer_commit, METH_VARARGS | METH_KEYWORDS,
-     "commit($self, /, path, fsync=True)\n--\n\n"
-     "Write the checkpoint atomically, with the GIL released; returns the bytes written."},
+     "commit($self, /, path, fsync=True, direct=True)\n--\n\n"
+     "Write the checkpoint atomically, with the GIL released; returns the bytes written.\n"
+     "With fsync, direct writes around the page cache (O_DIRECT) where the file system allows."},
     {"commit_async", (PyCFunction)(void (*)(void))Writer_commit_async, METH_VARARGS | METH_KEYWORDS,
-     "commit_async($self, /, path, fsync=True)\n--\n\nCommit in a C thread; see wait()."},
+     "commit_async($self, /, path, fsync=True, direct=True)\n--\n\nCommit in a C thread; see "
+     "wait()."},
     {"wait", (PyCFunction)Writer_wait, METH_NOARGS,
      "wait($self, /)\n--\n\n"
      "Join a background commit; returns the bytes written or raises its error."},
@@ -938,6 +958,30 @@ static PyObject *core_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
     return PyLong_FromUnsignedLong(r);
 }
 
+static PyObject *core_copy_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy_crc32c", &dst, &src))
+        return NULL;
+    PyObject *r = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy_crc32c: dst has %zd bytes, src %zd", dst.len,
+                     src.len);
+    } else if ((const char *)dst.buf < (const char *)src.buf + src.len &&
+               (const char *)src.buf < (const char *)dst.buf + dst.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c: dst and src overlap");
+    } else {
+        uint32_t crc;
+        Py_BEGIN_ALLOW_THREADS
+        crc = frk_copy_crc32c(dst.buf, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+        r = PyLong_FromUnsignedLong(crc);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return r;
+}
+
 static PyObject *core_has_magic(PyObject *Py_UNUSED(m), PyObject *arg)
 {
     Py_buffer v;
@@ -971,6 +1015,10 @@ static PyObject *core_dtype_size(PyObject *Py_UNUSED(m), PyObject *v)
 static PyMethodDef core_methods[] = {
     {"crc32c", core_crc32c, METH_VARARGS,
      "crc32c($module, data, crc=0, /)\n--\n\nCRC32C of data, continuing from crc."},
+    {"copy_crc32c", core_copy_crc32c, METH_VARARGS,
+     "copy_crc32c($module, dst, src, /)\n--\n\n"
+     "Copy src's bytes into dst (the same size, not overlapping), with the GIL released; returns\n"
+     "their CRC32C, taken while they were copied."},
     {"has_magic", core_has_magic, METH_O,
      "has_magic($module, head, /)\n--\n\nTrue if head starts with this format's magic bytes."},
     {"skip_plan", core_skip_plan, METH_VARARGS,
@@ -1006,6 +1054,8 @@ static int core_exec(PyObject *m)
     if (PyModule_AddStringConstant(m, "crc32c_impl", frk_crc32c_impl()) ||
         PyModule_AddIntConstant(m, "FORMAT_VERSION", FRK_FORMAT_VERSION) ||
         PyModule_AddIntConstant(m, "BLOB_ALIGN", FRK_BLOB_ALIGN) ||
+        PyModule_AddIntConstant(m, "PAGE_ALIGN", FRK_PAGE_ALIGN) ||
+        PyModule_AddIntConstant(m, "PAGE_ALIGN_MIN", (long)FRK_PAGE_ALIGN_MIN) ||
         PyModule_AddIntConstant(m, "MAX_DEPTH", FRK_MAX_DEPTH) ||
         /* SkipToIter.before_epoch's answers (csrc/frk.h), so that Python never mirrors them */
         PyModule_AddIntConstant(m, "STEP_RUN", FRK_SKIP_RUN) ||

@@ -75,11 +75,18 @@ NUMPY_DTYPE = {c: d for d, c in NUMPY_CODE.items()}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-class _Encoder:
-    "Walks a value tree once, feeding the C writer; tensors sharing storage share one blob."
+def storage_bytes(st: Any) -> np.ndarray:
+    "A torch storage's bytes as a flat uint8 NumPy array over the same memory (CPU storages)."
+    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
 
-    def __init__(self, writer: _core.Writer):
+
+class _Encoder:
+    """Walks a value tree once, feeding the C writer; tensors sharing storage share one blob.
+    `crcs`: the CRC32C of storages already checksummed, by (address, bytes) (a snapshot's)."""
+
+    def __init__(self, writer: _core.Writer, crcs: dict | None = None):
         self.w = writer
+        self.crcs = crcs or {}
         self.blobs: dict = {}  # storage key -> blob index
         self.tensors: dict = {}  # id(tensor) -> tensor index
         self.seen: list = []  # keeps tensors alive so their ids stay unique during the walk
@@ -150,8 +157,7 @@ class _Encoder:
         key = (st.data_ptr(), st.nbytes())
         blob = self.blobs.get(key)
         if blob is None:
-            raw = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
-            blob = self.blobs[key] = self.w.add_blob(raw)
+            blob = self.blobs[key] = self.w.add_blob(storage_bytes(st), crc=self.crcs.get(key))
         idx = self.w.add_tensor(_TORCH, code, blob, int(t.storage_offset()), tuple(t.shape), t.stride())
         self.tensors[id(src)] = idx
         self.seen.append(src)
@@ -172,16 +178,20 @@ class _Encoder:
         return idx
 
 
-def encode(tree: Any) -> _core.Writer:
+def encode(tree: Any, crcs: dict | None = None) -> _core.Writer:
     """A Writer holding `tree`, ready to commit. It holds the tensors' memory (not copies):
-    the caller keeps them unchanged until the commit ends."""
+    the caller keeps them unchanged until the commit ends. `crcs` maps (address, bytes) of a
+    storage to its CRC32C when the caller has it (`SnapshotPool`): the commit then does not read
+    those bytes for it."""
     w = _core.Writer()
-    _Encoder(w).value(tree, "")
+    _Encoder(w, crcs).value(tree, "")
     return w
 
 
 def save(tree: Any, path: PathLike, fsync: bool = True) -> int:
-    """Save `tree` to `path` atomically and durably; returns the bytes written.
+    """Save `tree` to `path` atomically and durably; returns the bytes written. A synced save is
+    written around the page cache (O_DIRECT) where the file system allows it: the checkpoint does
+    not push training's memory out of the cache (`Writer.commit`).
 
     On any failure (an unstorable value, a full disk) the file previously at `path` is untouched.
     """

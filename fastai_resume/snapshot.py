@@ -1,15 +1,21 @@
 """Background saves: a copy of the training state taken at the batch boundary into buffers reused
 from one save to the next, then written by a thread while training goes on.
 
-Where a background save's stall went (profiled on bench/overhead.py's model, 230 MB of state):
-cloning every storage into fresh memory took 0.08 to 0.23 s per save, against 0.015 to 0.06 s
-for the same copy into memory already touched: the page faults of new allocations, paid at every
-save because the previous copy was freed. `SnapshotPool` keeps the previous save's buffers and
-copies into them; a save's stall is then close to one memcpy of the state.
+Where a background save's cost went (bench/overhead.py's model, 230 MB of state, 2 cores):
+- cloning every storage into fresh memory took 0.08 to 0.23 s per save, against 0.015 to 0.06 s
+  for the same copy into memory already touched (page faults of new allocations, paid at every
+  save): `SnapshotPool` keeps the previous save's buffers and copies into them;
+- the writer thread's CPU work (the copy into the page cache, CRC32C) competes with training's
+  threads, and filling the page cache with fresh pages cost training more than the write itself:
+  big storages are copied into page-aligned buffers, checksummed during that copy
+  (`_core.copy_crc32c`, while the bytes are in cache, both cores: training waits then anyway), and
+  the commit writes them with O_DIRECT from where they are (`Writer.commit(direct=True)`), so the
+  writer thread makes system calls and almost nothing else.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -18,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import io
+from . import _core, io
 
 __all__ = ["SnapshotPool", "snapshot", "BackgroundCommit"]
 
@@ -32,6 +38,7 @@ class SnapshotPool:
     def __init__(self):
         self._lent: list = []  # (key, buffer) handed out by the latest snapshot
         self.user = None  # the BackgroundCommit writing the latest snapshot
+        self.crcs: dict = {}  # the latest snapshot's checksums, by (address, bytes) of its storages
 
     def release(self):
         "Forget every buffer (their memory goes when the last snapshot using them does)."
@@ -64,6 +71,7 @@ class SnapshotPool:
         storages: dict = {}  # (device, address, size) -> copy, (the source, kept so its address stays its own)
         memo: dict = {}  # id -> copy (the encoder writes one table entry per object)
         cuda = set()
+        crcs = self.crcs = {}
 
         def copy_tensor(t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
@@ -74,16 +82,20 @@ class SnapshotPool:
             skey = (t.device, st.data_ptr(), n)
             new = storages.get(skey, (None,))[0]
             if new is None:
-                pinned = t.device.type == "cuda"
-                new = take(
-                    ("torch", pinned, n), lambda: torch.empty(n, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
-                )
-                if t.device.type == "cpu":
+                if t.device.type == "cpu" and n >= _core.PAGE_ALIGN_MIN:
+                    new = take(("page", n), lambda: _page_storage(n))
+                    crcs[new.data_ptr(), n] = _core.copy_crc32c(io.storage_bytes(new), io.storage_bytes(st))
+                elif t.device.type == "cpu":
+                    new = take(("torch", False, n), lambda: torch.empty(n, dtype=torch.uint8).untyped_storage())
                     new.copy_(st)
-                elif pinned:
+                elif t.device.type == "cuda":
+                    new = take(
+                        ("torch", True, n), lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True).untyped_storage()
+                    )
                     new.copy_(st, non_blocking=True)
                     cuda.add(t.device)
                 else:
+                    new = take(("torch", False, n), lambda: torch.empty(n, dtype=torch.uint8).untyped_storage())
                     new.copy_(st.cpu())
                 storages[skey] = new, t
             return torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.shape, t.stride())
@@ -117,6 +129,11 @@ class SnapshotPool:
         return out
 
 
+def _page_storage(n: int):
+    "A storage of n bytes starting on a page (anonymous memory kept alive by the storage)."
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8).untyped_storage()
+
+
 def snapshot(tree: Any) -> Any:
     "A copy of `tree` that training can no longer change, in fresh buffers (see `SnapshotPool`)."
     return SnapshotPool().snapshot(tree)
@@ -134,7 +151,7 @@ class BackgroundCommit:
 
     def __init__(self, tree: Any, path: str, pool: SnapshotPool | None = None, fsync: bool = True):
         pool = pool or SnapshotPool()
-        self._writer = io.encode(pool.snapshot(tree))  # an unstorable value raises here, in this thread
+        self._writer = io.encode(pool.snapshot(tree), pool.crcs)  # an unstorable value raises here, in this thread
         self._result = self._error = self.seconds = None
         self._thread = threading.Thread(target=self._run, args=(os.fspath(path), fsync), name="fastai_resume-commit")
         self._thread.start()

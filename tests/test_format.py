@@ -329,7 +329,7 @@ def test_every_core_function_method_and_type_has_a_signature():
         "skip_plan",
     } <= set(checked)
     assert list(inspect.signature(_core.Mapping).parameters) == ["path", "copy"]
-    assert str(inspect.signature(_core.Writer.commit)) == "(self, /, path, fsync=True)"
+    assert str(inspect.signature(_core.Writer.commit)) == "(self, /, path, fsync=True, direct=True)"
 
 
 def test_core_types_are_immutable():

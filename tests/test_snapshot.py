@@ -102,3 +102,46 @@ def test_conjugated_views_resolved_one_after_another_each_keep_their_own_values(
     zs = [torch.full((1000,), complex(i, i + 1)) for i in range(20)]
     snap = SnapshotPool().snapshot([z.conj() for z in zs])
     assert [complex(s[0]) for s in snap] == [complex(i, -(i + 1)) for i in range(20)]
+
+
+def test_a_background_save_writes_the_bytes_a_synchronous_save_writes_its_checksums_taken_while_copying(tmp_path):
+    """Big storages are copied into page-aligned buffers with their CRC32C taken during the copy
+    (the commit then does not read them for it) and written around the page cache: the file is
+    the synchronous save's, byte for byte, through the pool's reused buffers too."""
+    from fastai_resume import _core
+
+    tree = state()
+    tree["model"]["big"] = torch.randn(3 << 18)  # 3 MiB: page-aligned, checksummed while copied
+    tree["model"]["view"] = tree["model"]["big"][1::3]  # a view sharing it
+    pool = SnapshotPool()
+    for i in range(2):
+        tree["model"]["big"].add_(1)
+        BackgroundCommit(tree, tmp_path / "bg.frk", pool).wait()
+        fr.save(tree, tmp_path / "sync.frk")
+        assert (tmp_path / "bg.frk").read_bytes() == (tmp_path / "sync.frk").read_bytes(), f"save {i}"
+        snap_crcs = dict(pool.crcs)
+        assert len(snap_crcs) == 2  # the two storages of at least PAGE_ALIGN_MIN bytes
+        for (addr, n), crc in snap_crcs.items():
+            assert addr % _core.PAGE_ALIGN == 0 and n >= _core.PAGE_ALIGN_MIN
+            assert crc in {c for _, length, c in fr.info(tmp_path / "bg.frk")["blobs"] if length == n}
+        big = [(o, n) for o, n, _ in fr.info(tmp_path / "bg.frk", verify=True)["blobs"] if n >= _core.PAGE_ALIGN_MIN]
+        assert big and all(o % _core.PAGE_ALIGN == 0 for o, _ in big)
+    back = fr.load(tmp_path / "bg.frk")
+    assert torch.equal(back["model"]["big"], tree["model"]["big"])
+    assert torch.equal(back["model"]["view"], tree["model"]["view"])
+
+
+def test_copy_crc32c_copies_and_checksums_and_refuses_what_it_cannot_do():
+    from fastai_resume import _core
+
+    for n in (0, 5, 70_000, (16 << 20) + 12_345):  # the last one is split over two threads
+        src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+        dst = np.zeros(n, dtype=np.uint8)
+        assert _core.copy_crc32c(dst, src) == _core.crc32c(src) and np.array_equal(dst, src)
+    buf = np.zeros(100, dtype=np.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        _core.copy_crc32c(buf[10:60], buf[:50])
+    with pytest.raises(ValueError, match="bytes"):
+        _core.copy_crc32c(np.zeros(3, dtype=np.uint8), b"ab")
+    with pytest.raises(TypeError):
+        _core.copy_crc32c(b"read-only", b"read-only")
