@@ -12,6 +12,14 @@ state tree, copying it, and waiting for a previous save still being written) aga
 a copy of the same number of bytes between two warm buffers (`memcpy`), measured in the same run;
 each run's first save is reported apart (a background save allocates its reusable buffers then).
 
+**Paired segments** (first, `--paired N`): whole-run wall times on a shared virtual machine move
+by 20-50% from one run to the next, far more than a save costs. So one fit saves every 2N steps
+and is cut into segments of N steps, a save in the middle of every other one; a save's cost is its
+segment's time minus the mean of the two segments beside it (a second apart: the machine's drift
+cancels). The same cut of a fit without saves gives the method's own noise. Each run's first save
+is reported apart (a background save allocates its reusable buffers then). The overhead at a save
+interval of I steps is then cost / (I x step time).
+
 Model: a frozen embedding table of 50,000 x 1,024 float32 (205 MB, a stand-in for a frozen
 backbone) under a trainable MLP head trained with Adam: about 230 MB of checkpointed state and a
 step of about 10 ms on 2 cores. Every save is fsynced. No interval but the shortest puts a save on
@@ -19,7 +27,8 @@ the last step (where the fit would wait for its write). The shortest interval as
 saves faster than one can be written: at most one save is in flight, and a save that falls due
 while the previous one is still being written waits for it (the wait is part of the stall).
 
-    python bench/overhead.py [--iters 600] [--warm 10] [--every 250,110,20] [--rounds 5]
+    python bench/overhead.py [--paired 110] [--segments-saves 4] [--iters 600] [--warm 10]
+                             [--every 250,110,20] [--rounds 5]
 """
 
 import argparse
@@ -115,6 +124,66 @@ def timed(path, iters, warm, cbs):
         return time.perf_counter() - clock.t0, time.process_time() - clock.c0, learn
 
 
+class StepTimes(Callback):
+    "The time at the end of each training step, after AutoCheckpoint's (a save's stall is in its step)."
+
+    order = 1000
+
+    def before_fit(self):
+        self.t = [time.perf_counter()]
+
+    def after_batch(self):
+        if self.training:
+            self.t.append(time.perf_counter())
+
+
+def paired(a, d):
+    """Each save's cost against the segments beside it, over interleaved rounds of none / background
+    / synchronous (see the module's docstring)."""
+    n, saves, h = a.paired, a.segment_saves, a.paired // 2
+    iters = 2 * n * saves + h + n + 1
+    modes = ("none", "background", "synchronous")
+    cost = {m: [] for m in modes}
+    first = {m: [] for m in modes}
+    stalls = {m: [] for m in modes}
+    step_s = []
+    for r in range(a.rounds):
+        for mode in modes:
+            clock = StepTimes()
+            cbs = [clock]
+            if mode != "none":
+                cbs.append(
+                    TimedAutoCheckpoint(
+                        every_iters=2 * n, every_epoch=False, keep=2, resume=False, background=mode == "background"
+                    )
+                )
+            learn = learner(os.path.join(d, f"p{r}-{mode}"), iters, cbs)
+            with learn.no_bar(), learn.no_logging():
+                learn.fit(1, 1e-4)
+            t = clock.t
+            for j in range(1, saves + 1):
+                s = 2 * n * j
+                mid, prev, nxt = t[s + h] - t[s - h], t[s - h] - t[s - h - n], t[s + h + n] - t[s + h]
+                (first if j == 1 else cost)[mode].append(mid - (prev + nxt) / 2)
+            if mode == "none":
+                step_s.append((t[-1] - t[n]) / (len(t) - 1 - n))
+            else:
+                stalls[mode].extend(cbs[1].stalls[1:])
+            del learn
+            print(
+                f"  paired round {r}: {mode:12s} cost per save {1e3 * statistics.median(cost[mode][-(saves - 1) :]):+7.1f} ms",
+                flush=True,
+            )
+    return {
+        "segment_steps": n,
+        "saves_per_run": saves,
+        "step_s": common.stats(step_s),
+        "cost_s": {m: common.stats(cost[m]) for m in modes},
+        "first_cost_s": {m: common.stats(first[m]) for m in modes},
+        "stall_s": {m: common.stats(stalls[m]) for m in modes if m != "none"},
+    }
+
+
 def state_bytes(learn):
     opt = sum(
         t.numel() * t.element_size()
@@ -138,6 +207,10 @@ def memcpy_seconds(nbytes, reps=3):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--paired", type=int, default=110, help="segment length in steps of the paired measurement (0: skip)"
+    )
+    ap.add_argument("--segment-saves", type=int, default=4, help="saves per run of the paired measurement")
     ap.add_argument("--iters", type=int, default=600)
     ap.add_argument("--warm", type=int, default=10, help="steps before the clocks start")
     ap.add_argument("--every", default="250,110,20", help="save intervals in steps, comma-separated")
@@ -160,6 +233,7 @@ def main():
     memcpy, nbytes, step_s = [], None, []
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=HERE) as d:
+        pair = paired(a, d) if a.paired else None
         for r in range(a.rounds):
             for name in runs:
                 cbs = []
@@ -216,6 +290,7 @@ def main():
         "none_cpu_s": common.stats(cpu["none"]),
         "memcpy_s": common.stats(memcpy),
         "rows": rows,
+        "paired": pair,
         "bench_seconds": time.perf_counter() - t_start,
     }
     path = common.write("overhead", payload, a.json)
