@@ -16,7 +16,8 @@ each run's first save is reported apart (a background save allocates its reusabl
 by 20-50% from one run to the next, far more than a save costs. So one fit saves every 2N steps
 and is cut into segments of N steps, a save in the middle of every other one; a save's cost is its
 segment's time minus the mean of the two segments beside it (a second apart: the machine's drift
-cancels). The same cut of a fit without saves gives the method's own noise. Each run's first save
+cancels). The same cut of a fit without saves gives the method's own noise, and background saves
+written through the page cache (`BackgroundCommit.direct = False`) what writing around it saves. Each run's first save
 is reported apart (a background save allocates its reusable buffers then). The overhead at a save
 interval of I steps is then cost / (I x step time).
 
@@ -54,6 +55,7 @@ from fastai.learner import Learner  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 
 import fastai_resume  # noqa: E402
+from fastai_resume.snapshot import BackgroundCommit  # noqa: E402
 
 
 def learner(path, iters, cbs):
@@ -142,7 +144,7 @@ def paired(a, d):
     / synchronous (see the module's docstring)."""
     n, saves, h = a.paired, a.segment_saves, a.paired // 2
     iters = 2 * n * saves + h + n + 1
-    modes = ("none", "background", "synchronous")
+    modes = ("none", "background", "synchronous", "background-buffered")
     cost = {m: [] for m in modes}
     first = {m: [] for m in modes}
     stalls = {m: [] for m in modes}
@@ -154,12 +156,14 @@ def paired(a, d):
             if mode != "none":
                 cbs.append(
                     TimedAutoCheckpoint(
-                        every_iters=2 * n, every_epoch=False, keep=2, resume=False, background=mode == "background"
+                        every_iters=2 * n, every_epoch=False, keep=2, resume=False, background=mode != "synchronous"
                     )
                 )
             learn = learner(os.path.join(d, f"p{r}-{mode}"), iters, cbs)
+            BackgroundCommit.direct = mode != "background-buffered"  # the comparison: through the page cache
             with learn.no_bar(), learn.no_logging():
                 learn.fit(1, 1e-4)
+            BackgroundCommit.direct = True
             t = clock.t
             for j in range(1, saves + 1):
                 s = 2 * n * j

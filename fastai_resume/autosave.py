@@ -99,7 +99,7 @@ class AutoCheckpoint(Callback):
         self._inflight = None  # (BackgroundCommit, final path)
         self._pool = SnapshotPool()  # background saves copy into the previous save's buffers
         self._failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
-        self._resumed_once = False
+        self._run = None  # this run's AutosaveRun, shared with every other instance of the same run
         self._lock = None  # the open lock file of this run
         self._old_handler = None
         self.run_id = None  # this run's identity (hex), set when its first stage begins (fastai's `run` is taken)
@@ -108,7 +108,7 @@ class AutoCheckpoint(Callback):
 
     def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
         d = dict(self.__dict__)
-        for k in ("_inflight", "_lock", "_old_handler", "_failure"):
+        for k in ("_inflight", "_lock", "_old_handler", "_failure", "_run"):
             d[k] = None
         d["_pool"] = SnapshotPool()  # buffers (and their lock) belong to this process's fit
         return d
@@ -212,6 +212,7 @@ class AutoCheckpoint(Callback):
             return  # `fastai-resume check` runs: no files of ours, no autoresume
         if self.run_id is None:
             self.run_id = self._run_identity(stage)
+        run = self._run = script(self.learn).autosave_run((str(self.folder.resolve()), self.fname, self.run_id))
         p = None
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
             self._take_lock()
@@ -220,20 +221,21 @@ class AutoCheckpoint(Callback):
                 self.resume
                 and stage.resume
                 and not stage.explicit
-                and not self._resumed_once
+                and not run.resumed
                 and script(self.learn).armed is None
             ):
                 p = self.latest_valid()
                 if p is not None:
                     self._retain()  # a run killed between a commit and its retention
-            files = self.checkpoints()
-            if self.attempt is None:
+            if run.attempt is None:
+                files = self.checkpoints()
                 last = int(self._pattern().match(files[-1].name)[1]) if files else -1
-                self.attempt = int(self._pattern().match(p.name)[1]) if p is not None else last + 1
+                run.attempt = int(self._pattern().match(p.name)[1]) if p is not None else last + 1
         if dist.active():
-            p, self.attempt = dist.broadcast((None if p is None else str(p), self.attempt))
+            p, run.attempt = dist.broadcast((None if p is None else str(p), run.attempt))
             p = None if p is None else Path(p)
-        self._resumed_once = True
+        self.attempt = run.attempt
+        run.resumed = True
         if p is None:
             return
         err = None
@@ -306,7 +308,8 @@ class AutoCheckpoint(Callback):
         except Exception as e:
             warnings.warn(f"AutoCheckpoint: {e}", stacklevel=2)
         self._restore_handler()
-        self._resumed_once = False
+        if self._run is not None:
+            self._run.resumed = False
 
     def _fail(self, msg, exc):
         "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn."

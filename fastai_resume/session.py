@@ -73,6 +73,15 @@ class Interrupted:
     iter: int
 
 
+class AutosaveRun:
+    """What one AutoCheckpoint run has done in this process: whether it has autoresumed (once per process,
+    again after an interrupted fit) and the attempt number its files carry."""
+
+    def __init__(self):
+        self.resumed = False
+        self.attempt: int | None = None
+
+
 class Script:
     "What fastai_resume knows about one Learner's training script (kept outside the Learner)."
 
@@ -83,6 +92,15 @@ class Script:
         self.session: ResumeSession | None = None  # the fit in progress
         self.fit_depth = 0  # fits in progress (a resumable one, and any fit run inside it or by lr_find)
         self.interrupted: Interrupted | None = None
+        # AutoCheckpoint runs of this script, by (folder, fname, run id): shared by every instance of
+        # one run (a new AutoCheckpoint passed to each fit call is the same run, its files named alike).
+        self.autosave_runs: dict = {}
+
+    def autosave_run(self, key) -> AutosaveRun:
+        run = self.autosave_runs.get(key)
+        if run is None:
+            run = self.autosave_runs[key] = AutosaveRun()
+        return run
 
     def disarm(self, why: str | None = None) -> None:
         if self.armed is not None and why:

@@ -149,6 +149,8 @@ class BackgroundCommit:
     0.50 s, so the next save waited longer for it, while the writer's own CPU time is small
     (about 0.08 s per 230 MB: the page-cache copy and CRC32C; the fsync only waits)."""
 
+    direct = True  # write around the page cache where the file system allows it (False: through it)
+
     def __init__(self, tree: Any, path: str, pool: SnapshotPool | None = None, fsync: bool = True):
         pool = pool or SnapshotPool()
         self._writer = io.encode(pool.snapshot(tree), pool.crcs)  # an unstorable value raises here, in this thread
@@ -160,7 +162,7 @@ class BackgroundCommit:
     def _run(self, path, fsync):
         t0 = time.perf_counter()
         try:
-            self._result = self._writer.commit(path, fsync=fsync)
+            self._result = self._writer.commit(path, fsync=fsync, direct=self.direct)
         except BaseException as e:
             self._error = e
         finally:

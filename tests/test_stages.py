@@ -79,3 +79,15 @@ def test_a_frozen_stage_after_an_unfrozen_one_resumes_exactly_after_the_rerun_sk
     got = result(script(rerun))
     for key in ("model", "opt", "losses", "lrs"):
         assert equal(want[key], got[key]), f"{key} differs from the uninterrupted run"
+
+
+def test_a_new_autocheckpoint_given_to_each_fit_call_is_one_run_uninterrupted_and_killed(tmp_root, tmp_path):
+    """`fit_one_cycle(..., cbs=[AutoCheckpoint(...)])` in every stage: each instance is the same run
+    (its files, its attempt, one autoresume per process). Uninterrupted, the script runs through (the
+    second instance once autoresumed from the first one's end-of-fit file and refused the stage);
+    killed in its last stage and run again unchanged, it ends bitwise equal."""
+    args = (*STAGES, "--auto-per-fit", "4")
+    ref = workload_reference(tmp_root, "digits", *args)
+    res, log = crash_and_rerun(tmp_path, "digits", "2,0,6", *args, rerun=())
+    assert log.count("AutoCheckpoint: found") == 1 and "skipping stage 1 (fit_one_cycle)" in log
+    assert_same_result(ref, res)

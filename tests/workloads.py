@@ -2,7 +2,7 @@
 exactness tests:
 
     python tests/workloads.py PIPELINE --path DIR --out OUT [--recipe one|stages] [--die S,E,K]
-                              [--load NAME | --auto N] [options]
+                              [--load NAME | --auto N | --auto-per-fit N] [options]
 
 PIPELINE: `lm` (LMDataLoader(shuffle=True) and an AWD-LSTM language model with fastai's RNN callbacks),
 `vision` (a DataBlock of images with RandomResizedCrop in 2 worker processes and aug_transforms),
@@ -13,6 +13,8 @@ RECIPE: `one` (fit_one_cycle(3)) or `stages` (the ULMFiT-style script: lr_find, 
 freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger).
 --die S,E,K: in stage S, after K training batches of epoch E, save `crash` (or, with --auto, let
 AutoCheckpoint have saved) and die by SIGKILL. --load NAME: `learn.load(NAME)` at the top of the script.
+--auto N: one AutoCheckpoint(every_iters=N) in the Learner's callbacks; --auto-per-fit N: a new one
+given to each training call (`fit_one_cycle(..., cbs=[AutoCheckpoint(...)])`).
 The final model, optimizer, Recorder and the next draw of every RNG go to OUT.
 """
 
@@ -240,19 +242,21 @@ def build(a):
 
 
 def recipe(learn, a):
-    fit_cbs = []
+    def fit_cbs():  # --auto-per-fit: a new AutoCheckpoint given to each training call, as cbs=
+        return [fastai_resume.AutoCheckpoint(every_iters=a.auto_per_fit, keep=2)] if a.auto_per_fit else []
+
     if a.recipe == "one":
-        learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs)
+        learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs())
         return
     learn.add_cb(CSVLogger(append=a.csv_append))
     if not a.no_lr_find:
         learn.lr_find(num_it=20, show_plot=False)
     learn.freeze_to(-1)
-    learn.fit_one_cycle(2, a.lr)
+    learn.fit_one_cycle(2, a.lr, cbs=fit_cbs())
     learn.freeze_to(-2)
-    learn.fit_one_cycle(2, slice(1e-3, 1e-2))
+    learn.fit_one_cycle(2, slice(1e-3, 1e-2), cbs=fit_cbs())
     learn.unfreeze()
-    learn.fit_one_cycle(a.last_epochs, slice(1e-4, 1e-3))
+    learn.fit_one_cycle(a.last_epochs, slice(1e-4, 1e-3), cbs=fit_cbs())
 
 
 def result(learn):
@@ -286,6 +290,7 @@ def main(argv=None):
     ap.add_argument("--die-event", default="after_batch", choices=["after_batch", "after_epoch", "valid"])
     ap.add_argument("--load", default=None)
     ap.add_argument("--auto", type=int, default=0)
+    ap.add_argument("--auto-per-fit", type=int, default=0)
     ap.add_argument("--csv-append", action="store_true")
     ap.add_argument("--no-lr-find", action="store_true")
     ap.add_argument("--train-metrics", action="store_true")
@@ -303,7 +308,7 @@ def main(argv=None):
         learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
     if a.die:
         at = tuple(map(int, a.die.split(",")))
-        learn.add_cb(SaveAndDie(at, save=not a.auto, order=a.die_order, event=a.die_event))
+        learn.add_cb(SaveAndDie(at, save=not (a.auto or a.auto_per_fit), order=a.die_order, event=a.die_event))
     if a.load:
         learn.load(a.load, fast_forward=a.fast_forward)
         if a.break_order:
