@@ -9,7 +9,7 @@ every contender reads from the disk, and after as much memory as the file was to
 (`warm_memory`: a virtual machine's host faults otherwise decide the result). The raw read is
 read() into anonymous memory, the kind `fastai_resume.load` reads into. Prints a table, writes JSON (bench/results/io.json).
 
-    python bench/io.py [--dir DIR ...] [--rounds 3] [--small]
+    python bench/io.py [--dir DIR ...] [--rounds 5] [--small]
 """
 
 import argparse
@@ -239,7 +239,7 @@ def main():
         default=None,
         help="a folder to write in (repeatable); default: bench/results/io-tmp (disk) and /dev/shm (tmpfs)",
     )
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="ViT-B/16 instead of ViT-L/16 (a quick check)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()

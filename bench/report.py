@@ -5,6 +5,7 @@ bench/results/: each benchmark's table sits in README.md between `<!-- bench:NAM
     python bench/report.py           # rewrite those blocks of README.md from bench/results/*.json
     python bench/report.py --check   # exit 1 if README.md differs from what the files give
     python bench/report.py --reproduces OLD_DIR  # which figures of an earlier run's files this run's reproduce
+    python bench/report.py --merge DIR1 DIR2 ... # pool the rounds of several runs into bench/results/
 
 Pure JSON -> Markdown (no torch, no fastai), so the test suite can check the README quickly.
 """
@@ -13,11 +14,15 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 README = os.path.join(HERE, "..", "README.md")
+sys.path.insert(0, HERE)
+import common  # noqa: E402  (statistics of rounds; torch only inside common.machine)
+
 BLOCK = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 
 
@@ -29,8 +34,14 @@ def _mm(s, scale=1.0, fmt="{:.2f}"):
 def machine_line(res) -> str:
     m = res["machine"]
     d = m["disk"]
+    runs = m.get("runs", [m["date"]])
+    when = (
+        f"Measured {m['date']}"
+        if len(runs) == 1
+        else f"Measured in {len(runs)} runs ({', '.join(runs)}), the rounds pooled,"
+    )
     return (
-        f"Measured {m['date']} by `{res['command']}`: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
+        f"{when} by `{res['command']}`: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, "
         f"{d['fs']} on {d['device']}, load average {m['loadavg_at_start']:.1f} at the start (a machine shared with "
         f"other work), torch {m['torch']} with {m['torch_threads']} threads; {res['rounds']} rounds."
     )
@@ -305,6 +316,44 @@ def reproduced(old_dir: str, new_dir: str = RESULTS) -> tuple:
     return yes, no
 
 
+def _pool(docs):
+    "One result from the same benchmark's results of several runs: every figure's rounds pooled."
+    first = docs[0]
+    if isinstance(first, dict) and {"median", "min", "max", "values"} <= first.keys():
+        return common.stats([v for d in docs for v in d["values"]])
+    if isinstance(first, dict):
+        return {k: _pool([d[k] for d in docs]) if all(k in d for d in docs) else v for k, v in first.items()}
+    if isinstance(first, list) and all(isinstance(d, list) and len(d) == len(first) for d in docs):
+        return [_pool([d[i] for d in docs]) for i in range(len(first))]
+    if isinstance(first, float):
+        return statistics.median(docs)  # a derived figure (an interval's seconds): the runs' median
+    return first
+
+
+def merge(dirs, out=RESULTS) -> list:
+    """Pool the rounds of several `make bench` runs (each a folder of result files) into `out`: every
+    figure's values concatenated and its median and range taken anew; the machine record lists the runs'
+    dates. Returns the names written."""
+    written = []
+    for name in RENDER:
+        files = [os.path.join(d, f"{name}.json") for d in dirs if os.path.exists(os.path.join(d, f"{name}.json"))]
+        if not files:
+            continue
+        docs = []
+        for f in files:
+            with open(f) as fh:
+                docs.append(json.load(fh))
+        res = _pool([{k: v for k, v in d.items() if k not in ("machine", "rounds")} for d in docs])
+        runs = [r for d in docs for r in d["machine"].get("runs", [d["machine"]["date"]])]
+        res["machine"] = dict(docs[-1]["machine"], runs=runs)
+        res["rounds"] = sum(d["rounds"] for d in docs)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+        written.append(name)
+    return written
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -314,7 +363,17 @@ def main():
         metavar="OLD_DIR",
         help="say which figures of the results in OLD_DIR the files in bench/results/ reproduce",
     )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        help="pool the rounds of the runs whose result files are in DIR ... into bench/results/",
+    )
     a = ap.parse_args()
+    if a.merge:
+        names = merge(a.merge)
+        print(f"pooled {len(a.merge)} runs into bench/results/: {', '.join(names)}")
+        return
     if a.reproduces:
         yes, no = reproduced(a.reproduces)
         print("\n".join(["not reproduced (median outside the old range):"] + no))

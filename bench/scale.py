@@ -11,7 +11,7 @@ tree `learn.save` writes, fsynced), load (`fastai_resume.load`, every checksum v
 autoresume runs on the newest file) and `learn.load` (restoring it into the Learner: the rest of
 an autoresume). Costs linear in the tensor count give the same time per tensor at both sizes.
 
-    python bench/scale.py [--blocks 48,96] [--rounds 3]
+    python bench/scale.py [--blocks 48,96] [--rounds 5]
 """
 
 import argparse
@@ -107,7 +107,7 @@ def measure(learn, folder):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", default="48,96", help="depths, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     depths = [int(b) for b in a.blocks.split(",")]

@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -150,7 +151,21 @@ static void sink_try_direct(sink *s)
 #endif
 }
 
-/* A blob's place: big ones on a page, so that a direct commit can write them from where they are. */
+#define CRC_THREAD_MIN ((uint64_t)16 << 20)
+
+/* The checksummer thread: the CRC32C of every blob whose checksum the caller did not give, kept
+ * in the blob's own `crc` slot (each blob is its own: the writer reads only the data meanwhile). */
+static void *crc_blobs(void *arg)
+{
+    frk_builder *b = arg;
+    for (size_t i = 0; i < b->n_blobs; i++)
+        if (!b->blobs[i].has_crc)
+            b->blobs[i].crc = frk_crc32c(0, b->blobs[i].data, (size_t)b->blobs[i].len);
+    return NULL;
+}
+
+/* A blob's place: big ones on a page, so that a direct commit can write them from where they are.
+ */
 static uint64_t blob_align(uint64_t len)
 {
     return len >= FRK_PAGE_ALIGN_MIN ? FRK_PAGE_ALIGN : FRK_BLOB_ALIGN;
@@ -209,6 +224,8 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
     char dir[4096], tmp[256];
     const char *base;
     sink snk = {-1, 0, NULL, 0};
+    pthread_t crc_th;
+    int crc_thread = 0;
 
     if (split_path(path, dir, sizeof dir, &base) || !*base)
         return frk_fail(err, FRK_EINVAL, 0, "invalid checkpoint path %s", path);
@@ -284,6 +301,15 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
     if (sink_put(&snk, head, sizeof head))
         goto io_error;
 
+    /* Checksums not known yet are taken by a second thread while this one writes (the commit then
+     * takes about max(write, checksum) rather than their sum); a few megabytes are checksummed
+     * here, each piece just before it is written. */
+    uint64_t unknown = 0;
+    for (size_t i = 0; i < b->n_blobs; i++)
+        unknown += b->blobs[i].has_crc ? 0 : b->blobs[i].len;
+    if (unknown >= CRC_THREAD_MIN && !pthread_create(&crc_th, NULL, crc_blobs, b))
+        crc_thread = 1;
+
     uint8_t *q = index;
     frk_put64(q, b->n_blobs);
     q += FRK_INDEX_WORD;
@@ -295,8 +321,7 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
         const uint8_t *p = blob->data;
         uint64_t left = blob->len;
         uint32_t crc = 0;
-        if (blob->has_crc) {
-            crc = blob->crc; /* taken while the bytes were copied: not read again for it */
+        if (blob->has_crc || crc_thread) {
             if (left && sink_put(&snk, p, (size_t)left))
                 goto io_error;
             left = 0;
@@ -317,6 +342,15 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
         frk_put32(q + FRK_BLOB_RESERVED, 0);
         q += FRK_BLOB_ENTRY_SIZE;
     }
+    int threaded = crc_thread;
+    if (crc_thread) {
+        pthread_join(crc_th, NULL);
+        crc_thread = 0;
+    }
+    for (size_t i = 0; i < b->n_blobs; i++) /* the caller's, or the checksummer thread's */
+        if (b->blobs[i].has_crc || threaded)
+            frk_put32(index + FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * i + FRK_BLOB_CRC,
+                      b->blobs[i].crc);
     if (sink_put(&snk, zeros, (size_t)(index_offset - pos)))
         goto io_error;
     frk_put64(q, b->n_tensors);
@@ -374,6 +408,8 @@ fail_tmp:
     fd = -1;
     unlinkat(dfd, tmp, 0);
 out:
+    if (crc_thread)
+        pthread_join(crc_th, NULL);
     if (dfd >= 0)
         close(dfd);
     stage_give(snk.stage);

@@ -238,8 +238,8 @@ uint32_t frk_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
     return crc1 ^ crc2;
 }
 
-#define COPY_PIECE (64u << 10)          /* copied, then checksummed while still in cache */
-#define COPY_SPLIT_MIN ((size_t)16 << 20) /* from here on the copy is split over two threads */
+#define COPY_PIECE (64u << 10)           /* copied, then checksummed while still in cache */
+#define COPY_SPLIT_MIN ((size_t)2 << 20) /* from here on the copy is split over two threads */
 
 static uint32_t copy_crc_one(void *dst, const void *src, size_t len)
 {

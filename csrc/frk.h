@@ -51,7 +51,7 @@ const char *frk_crc32c_impl(void);
 /* The CRC32C of A || B, given crc1 of A, crc2 of B and B's length. */
 uint32_t frk_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 /* Copies len bytes from src to dst (not overlapping) and returns their CRC32C, each piece
- * checksummed while it is still in cache; from 16 MiB on, split over two threads. Safe to call
+ * checksummed while it is still in cache; from 2 MiB on, split over two threads. Safe to call
  * without the GIL. */
 uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len);
 

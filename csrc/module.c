@@ -192,9 +192,9 @@ static PyObject *Writer_add_blob(WriterObject *w, PyObject *args, PyObject *kw)
         return NULL;
     uint64_t idx;
     frk_error err;
-    int rc = crc_o == Py_None
-                 ? frk_builder_add_blob(w->b, v->buf, (uint64_t)v->len, &idx, &err)
-                 : frk_builder_add_blob_crc(w->b, v->buf, (uint64_t)v->len, (uint32_t)crc, &idx, &err);
+    int rc = crc_o == Py_None ? frk_builder_add_blob(w->b, v->buf, (uint64_t)v->len, &idx, &err)
+                              : frk_builder_add_blob_crc(w->b, v->buf, (uint64_t)v->len,
+                                                         (uint32_t)crc, &idx, &err);
     if (rc) {
         PyBuffer_Release(v);
         return raise_frk(state_of_type(Py_TYPE(w)), &err);
@@ -965,8 +965,7 @@ static PyObject *core_copy_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
         return NULL;
     PyObject *r = NULL;
     if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "copy_crc32c: dst has %zd bytes, src %zd", dst.len,
-                     src.len);
+        PyErr_Format(PyExc_ValueError, "copy_crc32c: dst has %zd bytes, src %zd", dst.len, src.len);
     } else if ((const char *)dst.buf < (const char *)src.buf + src.len &&
                (const char *)src.buf < (const char *)dst.buf + dst.len) {
         PyErr_SetString(PyExc_ValueError, "copy_crc32c: dst and src overlap");

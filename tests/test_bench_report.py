@@ -63,3 +63,32 @@ def test_a_later_run_is_compared_figure_by_figure_with_the_readmes_run(tmp_path)
         json.dump(res, f)
     yes, no = report.reproduced(report.RESULTS, str(tmp_path))
     assert len(no) == 1 and no[0].startswith("resume: rows[2].ours_s: ")
+
+
+def test_the_rounds_of_several_runs_are_pooled_into_each_figure_and_the_readme_names_the_runs(tmp_path):
+    import json
+    import shutil
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for k, d in enumerate(runs):
+        d.mkdir()
+        for name in report.RENDER:
+            shutil.copy(os.path.join(report.RESULTS, f"{name}.json"), d)
+        with open(d / "resume.json") as f:
+            res = json.load(f)
+        res["machine"]["date"] = f"2026-12-0{k + 1} 10:00 UTC"
+        res["rows"][-1]["ours_s"]["values"] = [float(k + 1)] * 3  # run a: 1 s x 3, run b: 2 s x 3
+        with open(d / "resume.json", "w") as f:
+            json.dump(res, f)
+    out = tmp_path / "pooled"
+    assert set(report.merge([str(d) for d in runs], str(out))) == set(report.RENDER)
+    with open(out / "resume.json") as f:
+        pooled = json.load(f)
+    with open(runs[0] / "resume.json") as f:
+        one = json.load(f)
+    s = pooled["rows"][-1]["ours_s"]
+    assert s["values"] == [1.0] * 3 + [2.0] * 3 and s["min"] == 1.0 and s["max"] == 2.0 and s["n"] == 6
+    assert pooled["rounds"] == 2 * one["rounds"]
+    assert pooled["rows"][0]["k"] == one["rows"][0]["k"]  # what is not a figure stays as it was
+    text = report.render_file("resume", str(out / "resume.json"))
+    assert "Measured in 2 runs (2026-12-01 10:00 UTC, 2026-12-02 10:00 UTC), the rounds pooled," in text

@@ -2571,8 +2571,8 @@ static void test_skip_end_of_epoch(void)
  * place), an unaligned big one (through the staging buffer), one larger than the staging buffer,
  * an empty one, and one whose checksum the caller gives. */
 enum { N_DIRECT_BLOBS = 6 };
-static const size_t direct_sizes[N_DIRECT_BLOBS] = {
-    100, (1u << 20) + 37, (3u << 20) + 1, (9u << 20) + 5, 0, (2u << 20) + 4096};
+static size_t direct_sizes[N_DIRECT_BLOBS] = {100, (1u << 20) + 37,  (3u << 20) + 1, (9u << 20) + 5,
+                                              0,   (2u << 20) + 4096};
 
 static int commit_direct_case(const char *path, uint8_t **bufs, unsigned flags, uint32_t wrong_crc,
                               frk_error *err)
@@ -2600,7 +2600,19 @@ static int commit_direct_case(const char *path, uint8_t **bufs, unsigned flags, 
     return rc;
 }
 
+static void direct_case(void);
+
+/* Twice: with less than 16 MiB of unknown checksums (each piece checksummed before it is written),
+ * then more (a second thread checksums while the commit writes). */
 static void test_commit_direct_same_bytes_as_buffered(void)
+{
+    direct_case();
+    direct_sizes[3] = (17u << 20) + 5;
+    direct_case();
+    direct_sizes[3] = (9u << 20) + 5;
+}
+
+static void direct_case(void)
 {
     uint8_t *bufs[N_DIRECT_BLOBS], *owned[N_DIRECT_BLOBS];
     for (size_t i = 0; i < N_DIRECT_BLOBS; i++) {
@@ -2625,8 +2637,8 @@ static void test_commit_direct_same_bytes_as_buffered(void)
         CHECKF(!commit_direct_case(direct, bufs, FRK_COMMIT_FSYNC | FRK_COMMIT_DIRECT, 0, &err),
                "%s", err.msg);
     if (*shm)
-        CHECKF(!commit_direct_case(shm, bufs, FRK_COMMIT_FSYNC | FRK_COMMIT_DIRECT, 0, &err),
-               "%s", err.msg);
+        CHECKF(!commit_direct_case(shm, bufs, FRK_COMMIT_FSYNC | FRK_COMMIT_DIRECT, 0, &err), "%s",
+               err.msg);
     size_t la, lb, lc = 0;
     uint8_t *a = read_whole(buffered, &la), *bb = read_whole(direct, &lb);
     uint8_t *c = *shm ? read_whole(shm, &lc) : NULL;
