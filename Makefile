@@ -53,7 +53,7 @@ fuzz: build/fuzz_reader build/test_core
 	  -print_final_stats=1 build/fuzz-corpus 2>&1 | tail -n 12
 
 pytest: build
-	$(PY) -m pytest -q -ra -n 2 --dist worksteal --timeout 1200
+	$(PY) -m pytest -q -ra -n 2 --dist worksteal --timeout 1200 --durations 40
 
 test: build lint ctest fuzz pytest
 
