@@ -17,6 +17,9 @@
 #include <sys/vfs.h>
 #endif
 #include <stdatomic.h>
+#ifndef O_DIRECT
+#define O_DIRECT 0 /* a system without it: every commit is written buffered */
+#endif
 
 #define WRITE_CHUNK (1u << 20)       /* buffered: checksummed, then written while in cache */
 #define DIRECT_CHUNK (8u << 20)      /* direct: larger writes, each one waits for the device */
@@ -151,7 +154,9 @@ static void sink_try_direct(sink *s)
 #endif
 }
 
+#ifndef CRC_THREAD_MIN /* (a build may set it, to compare) */
 #define CRC_THREAD_MIN ((uint64_t)16 << 20)
+#endif
 
 /* The checksummer thread: the CRC32C of every blob whose checksum the caller did not give, kept
  * in the blob's own `crc` slot (each blob is its own: the writer reads only the data meanwhile). */

@@ -7,6 +7,7 @@ import functools
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,27 @@ def reference(tmp_root, *args):
     return shared_run(tmp_root, run_name("ddp-ref", args), make, ("out.frk.rank0", "out.frk.rank1"))
 
 
+@functools.cache
+def killed(tmp_root, epoch, k):
+    """The folder of a 2-process run that saved `crash` at (epoch, k) and was then killed by SIGKILL on
+    both ranks, made once for every test that resumes from that point."""
+
+    def make(d):
+        p = launch(d, os.path.join(d, "dead.frk"), "--die-at", f"{epoch},{k}", ok=False)
+        assert p.returncode != 0 and "SIGKILL" in p.stdout + p.stderr  # both ranks died hard after the save
+        fr.save({"returncode": p.returncode}, os.path.join(d, "killed.frk"))  # last: the run is complete
+
+    shared_run(tmp_root, f"ddp-killed-{epoch}-{k}", make, ("killed.frk",))
+    return os.path.join(tmp_root, f"ddp-killed-{epoch}-{k}")
+
+
+def from_killed(tmp_root, tmp_path, epoch, k):
+    "The checkpoint a killed 2-process run saved at (epoch, k), copied into this test's models folder."
+    (tmp_path / "models").mkdir(exist_ok=True)
+    shutil.copy(os.path.join(killed(tmp_root, epoch, k), "models", "crash.frk"), tmp_path / "models")
+    return fr.load(tmp_path / "models" / "crash.frk")
+
+
 def assert_same_on_every_rank(ref, res):
     for r, (a, b) in enumerate(zip(ref, res)):
         assert len(b["losses"]) == 3 * N_ITER
@@ -78,9 +100,7 @@ def test_the_reference_run_shards_every_epoch_across_the_ranks(tmp_root):
 @pytest.mark.parametrize("epoch,k", [(0, 1), (1, 10), (2, N_ITER - 1)], ids=["first-batch", "middle", "last-epoch"])
 def test_kill_at_iteration_k_then_resume_is_bitwise_equal_on_every_rank(tmp_root, tmp_path, epoch, k):
     ref = reference(tmp_root)
-    p = launch(tmp_path, tmp_path / "dead.frk", "--die-at", f"{epoch},{k}", ok=False)
-    assert p.returncode != 0 and "SIGKILL" in p.stdout + p.stderr  # both ranks died hard after the save
-    ck = fr.load(tmp_path / "models" / "crash.frk")["train"]
+    ck = from_killed(tmp_root, tmp_path, epoch, k)["train"]  # both ranks died by SIGKILL after the save
     assert ck["position"]["world_size"] == 2 and (ck["position"]["epoch"], ck["position"]["iter"]) == (epoch, k)
     assert ck["ranks"][0] is None and not equal(ck["ranks"][1]["rng"]["torch"], ck["rng"]["torch"])
     p = launch(tmp_path, tmp_path / "res.frk", "--resume", "crash")
@@ -103,7 +123,7 @@ def test_two_loader_workers_per_rank_resume_bitwise_equal(tmp_root, tmp_path):
 
 def test_negative_control_every_rank_resuming_with_rank0s_rng_breaks_equality(tmp_root, tmp_path):
     ref = reference(tmp_root)
-    launch(tmp_path, tmp_path / "dead.frk", "--die-at", "1,10", ok=False)
+    from_killed(tmp_root, tmp_path, 1, 10)
     launch(tmp_path, tmp_path / "res.frk", "--resume", "crash", "--shared-rng")
     res = ranks(tmp_path / "res.frk")
     assert res[0]["losses"][: N_ITER + 10] == ref[0]["losses"][: N_ITER + 10]  # restored history is fine
@@ -112,7 +132,7 @@ def test_negative_control_every_rank_resuming_with_rank0s_rng_breaks_equality(tm
 
 
 def test_a_different_world_size_is_refused_with_a_clear_error_or_resharded_on_request(tmp_root, tmp_path):
-    launch(tmp_path, tmp_path / "dead.frk", "--die-at", "1,10", ok=False)
+    from_killed(tmp_root, tmp_path, 1, 10)
     single = [
         sys.executable,
         os.path.join(HERE, "trainer.py"),
