@@ -144,10 +144,10 @@ class BackgroundCommit:
     the GIL released while it writes. `done` and `wait()` as the C Writer's own: `wait()` returns
     the bytes written or raises the commit's error; `seconds`: how long the commit took, once done.
 
-    The thread keeps the process's priority. Measured (bench/overhead.py's model, a 230 MB save,
-    on 2 cores shared with other work): at nice 19 the write took 1.5 to 3.9 s against 0.43 to
-    0.50 s, so the next save waited longer for it, while the writer's own CPU time is small
-    (about 0.08 s per 230 MB: the page-cache copy and CRC32C; the fsync only waits)."""
+    The thread keeps the process's priority (at nice 19 a 230 MB write on 2 busy cores took 1.5 to
+    3.9 s against 0.43 to 0.50 s, so the next save waited longer for it). With `direct` it only
+    makes system calls: big storages were checksummed during the copy, and the bytes go to the disk
+    around the page cache; bench/overhead.py measures both ways in the same run."""
 
     direct = True  # write around the page cache where the file system allows it (False: through it)
 
