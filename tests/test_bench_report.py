@@ -76,6 +76,7 @@ def test_the_rounds_of_several_runs_are_pooled_into_each_figure_and_the_readme_n
             shutil.copy(os.path.join(report.RESULTS, f"{name}.json"), d)
         with open(d / "resume.json") as f:
             res = json.load(f)
+        res["machine"].pop("runs", None)  # the committed results may themselves be pooled
         res["machine"]["date"] = f"2026-12-0{k + 1} 10:00 UTC"
         res["rows"][-1]["ours_s"]["values"] = [float(k + 1)] * 3  # run a: 1 s x 3, run b: 2 s x 3
         with open(d / "resume.json", "w") as f:
