@@ -10,7 +10,7 @@ CORE := csrc/validate.c csrc/builder.c csrc/commit.c csrc/reader.c csrc/crc32c.c
 CORE_H := csrc/frk.h csrc/layout.h csrc/internal.h
 FUZZ_SECONDS ?= 60
 
-.PHONY: demo test build lint ctest fuzz pytest sysdeps bench clean compat
+.PHONY: demo test quick build lint ctest fuzz pytest sysdeps bench clean compat
 
 $(STAMP): requirements-dev.txt constraints-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -56,6 +56,11 @@ pytest: build
 	$(PY) -m pytest -q -ra -n 2 --dist worksteal --timeout 1200 --durations 40
 
 test: build lint ctest fuzz pytest
+
+# The inner loop while changing code: every test but those marked `slow` (2-process DDP jobs, Jupyter
+# kernels, notebooks, random-kill trials, runs of many processes), which `make test` and CI still run.
+quick: build
+	$(PY) -m pytest -q -ra -n 2 --dist worksteal --timeout 1200 -m "not slow"
 
 # Every fastai release pyproject.toml claims (fastai_resume/compat.py: TESTED_FASTAI), and the oldest
 # with the oldest fastcore it admits: each installed apart (pip --no-deps --target build/compat/ROW,

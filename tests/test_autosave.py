@@ -28,6 +28,7 @@ def loadable(folder):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trial", range(8))  # up to 4 kills each, from the imports to the end of the fit
 def test_random_sigkills_with_autoresume_end_bitwise_equal(tmp_root, tmp_path, trial):
     ref = reference(tmp_root, *STATE)
@@ -58,6 +59,7 @@ def test_random_sigkills_with_autoresume_end_bitwise_equal(tmp_root, tmp_path, t
     assert len(list(models.glob("auto-*.frk"))) == 2  # keep=2
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_current_batch_and_exits_then_resumes_exactly(tmp_root, tmp_path):
     ref = reference(tmp_root)
     args = ("--auto", "100000", "--slow-ms", "30")

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from procs import ENV, HERE
 
 from fastai_resume.check import check
@@ -34,6 +35,7 @@ def test_check_finds_a_planted_divergence_and_names_it(tmp_path):
     assert not r.ok and "first difference at stage 0, fit 0, epoch 1, batch 2: data" in r.message, r.message
 
 
+@pytest.mark.slow
 def test_the_check_command_exits_1_on_a_difference_and_0_when_exact(tmp_path):
     base = [
         sys.executable,

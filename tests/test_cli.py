@@ -323,6 +323,7 @@ def test_the_installed_script_is_as_quiet(ckpt, tmp_path):
     assert (p.returncode, p.stdout, p.stderr) == (0, f"OK   {ckpt}\n", "")
 
 
+@pytest.mark.slow
 def test_the_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)  # the kernel is a new process
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")

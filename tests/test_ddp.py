@@ -22,6 +22,7 @@ import fastai_resume as fr
 N_ITER = 23  # per rank: 1500 digits split over 2 ranks, bs 32, drop_last
 BS = 32
 KEYS = ("model", "opt", "losses", "lrs", "values")
+pytestmark = pytest.mark.slow  # every test launches 2-process jobs (3 interpreters each)
 
 
 def torchrun(path, out, *args):

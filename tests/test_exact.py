@@ -31,12 +31,14 @@ def test_negative_control_without_the_data_order_state_the_run_differs(tmp_root,
     assert not equal(ref["losses"], res["losses"])
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_mid_accumulation(tmp_root, tmp_path):
     ref = reference(tmp_root, "--grad-acc", "96")  # a step every 3 batches; k=7 is mid-accumulation
     res, _, _ = crash_and_resume(tmp_path, "1,7", "--grad-acc", "96")
     assert_same_run(ref, res)
 
 
+@pytest.mark.slow
 def test_two_dataloader_workers_same_data_order(tmp_root, tmp_path):
     # The noise augmentation runs in the workers, whose RNG is reseeded each epoch: without it,
     # data order is the only randomness in the data and the run is exact.
@@ -66,6 +68,7 @@ def test_fit_wrappers_resume(tmp_root, tmp_path, method):
     assert_same_run(ref, res)
 
 
+@pytest.mark.slow
 def test_torch_optimizer_through_optim_wrapper(tmp_root, tmp_path):
     ref = reference(tmp_root, "--torch-opt")
     res, _, _ = crash_and_resume(tmp_path, "1,30", "--torch-opt")

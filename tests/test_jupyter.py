@@ -11,7 +11,7 @@ import time
 
 import pytest
 from fastai.callback.core import Callback
-from procs import ENV, HERE, equal
+from procs import ENV, HERE, equal, shared_run
 from test_resume_rules import fit
 from trainer import build, result
 
@@ -95,17 +95,18 @@ def run(cwd, code):
     ],
     ids=["default-paths", "relative-path-and-model-dir", "absolute-model-dir-elsewhere"],
 )
-def test_readme_quick_start_killed_mid_epoch_and_run_again_is_exact(tmp_path, dls_kw, learner_kw, folder):
+def test_readme_quick_start_killed_mid_epoch_and_run_again_is_exact(tmp_root, tmp_path, dls_kw, learner_kw, folder):
+    "The folders change where checkpoints go, never what is trained: one uninterrupted run is every case's reference."
     elsewhere = tmp_path / "elsewhere"
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref_dir.mkdir(), run_dir.mkdir()
-    run(ref_dir, script(tmp_path, ref_dir / "out.frk", dls_kw, learner_kw.format(elsewhere=str(tmp_path / "ref-ckpt"))))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (ref,) = shared_run(tmp_root, "quick-start", lambda d: run(d, script(tmp_path, os.path.join(d, "out.frk"))))
     code = script(tmp_path, run_dir / "out.frk", dls_kw, learner_kw.format(elsewhere=str(elsewhere)))
     where = run_dir / folder if folder else elsewhere  # where fastai's path rules put them
     run_killed(run_dir, code, where)
     log = run(run_dir, code)
     assert "AutoCheckpoint: found" in log and "fastai_resume: resuming" in log and "at epoch 2, iteration 0/" in log
-    ref, res = fr.load(ref_dir / "out.frk"), fr.load(run_dir / "out.frk")
+    res = fr.load(run_dir / "out.frk")
     for k in ref:
         assert equal(ref[k], res[k]), f"{k} differs from the uninterrupted run"
 
@@ -230,6 +231,7 @@ def _rows(text):
     return [line.rsplit(",", 1)[0] for line in text.splitlines() if line.startswith("[")]
 
 
+@pytest.mark.slow
 def test_kernel_killed_mid_fit_restarted_and_run_all_again_is_exact(kernel_reference, tmp_path):
     ref, _ = kernel_reference
     k = Kernel(tmp_path)
@@ -255,6 +257,7 @@ def test_kernel_killed_mid_fit_restarted_and_run_all_again_is_exact(kernel_refer
         assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"
 
 
+@pytest.mark.slow
 def test_kernel_interrupt_then_running_the_fit_cell_again_continues_exactly(kernel_reference, tmp_path):
     ref, _ = kernel_reference
     k = Kernel(tmp_path)
@@ -276,6 +279,7 @@ def test_kernel_interrupt_then_running_the_fit_cell_again_continues_exactly(kern
         assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"
 
 
+@pytest.mark.slow
 def test_kernel_interrupt_without_checkpoints_says_it_starts_the_stage_again(tmp_path):
     k = Kernel(tmp_path)
     try:
@@ -289,6 +293,7 @@ def test_kernel_interrupt_without_checkpoints_says_it_starts_the_stage_again(tmp
     assert "was interrupted at epoch " in again and "not an exact continuation" in again
 
 
+@pytest.mark.slow
 def test_kernel_cell_outputs_are_the_same_without_and_with_the_import(tmp_path):
     outs = {}
     for with_import in (False, True):

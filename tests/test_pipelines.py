@@ -27,6 +27,7 @@ def test_plain_pytorch_dataloaders_resume_exactly(tmp_root, tmp_path):
     assert_same_result(ref, res)
 
 
+@pytest.mark.slow
 def test_datablock_vision_with_workers_random_item_and_batch_transforms_resumes_exactly(tmp_root, tmp_path):
     ref = workload_reference(tmp_root, "vision")
     res, _ = crash_and_rerun(tmp_path, "vision", "0,1,6")
@@ -72,6 +73,7 @@ def test_a_save_from_after_epoch_or_a_validation_batch_by_a_default_order_callba
     assert_same_result(ref, res)
 
 
+@pytest.mark.slow
 def test_tfmd_dl_with_a_random_after_batch_transform(tmp_root, tmp_path):
     ref = workload_reference(tmp_root, "tfmd")
     res, _ = crash_and_rerun(tmp_path, "tfmd", "0,1,5")

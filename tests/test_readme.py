@@ -127,7 +127,8 @@ PYTHON_BLOCKS = [(h, code) for h, lang, code in code_blocks(README) if lang == "
             h,
             code,
             id=re.sub(r"\W+", "-", h.lower()).strip("-"),
-            marks=[pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[h])] if h in KNOWN_FAILURES else [],
+            marks=([pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[h])] if h in KNOWN_FAILURES else [])
+            + ([pytest.mark.slow] if "torchrun" in code.splitlines()[0] else []),  # a 2-process job
         )
         for h, code in PYTHON_BLOCKS
     ],

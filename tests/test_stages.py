@@ -20,6 +20,7 @@ def test_killed_in_any_stage_the_rerun_skips_finished_stages_and_is_exact(tmp_ro
     assert_same_result(ref, res)
 
 
+@pytest.mark.slow
 def test_language_model_stages_with_autocheckpoint(tmp_root, tmp_path):
     ref = workload_reference(tmp_root, "lm", *STAGES, "--auto", "4")
     res, log = crash_and_rerun(tmp_path, "lm", "2,0,6", *STAGES, "--auto", "4", rerun=())
@@ -27,6 +28,7 @@ def test_language_model_stages_with_autocheckpoint(tmp_root, tmp_path):
     assert_same_result(ref, res)
 
 
+@pytest.mark.slow
 def test_csv_logger_append_mode_holds_each_row_once(tmp_root, tmp_path):
     ref = workload_reference(tmp_root, "digits", *STAGES, "--csv-append")
     res, _ = crash_and_rerun(tmp_path, "digits", "2,1,4", *STAGES, "--csv-append")
@@ -81,6 +83,7 @@ def test_a_frozen_stage_after_an_unfrozen_one_resumes_exactly_after_the_rerun_sk
         assert equal(want[key], got[key]), f"{key} differs from the uninterrupted run"
 
 
+@pytest.mark.slow
 def test_a_new_autocheckpoint_given_to_each_fit_call_is_one_run_uninterrupted_and_killed(tmp_root, tmp_path):
     """`fit_one_cycle(..., cbs=[AutoCheckpoint(...)])` in every stage: each instance is the same run
     (its files, its attempt, one autoresume per process). Uninterrupted, the script runs through (the

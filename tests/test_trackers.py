@@ -233,6 +233,7 @@ def tensorboard_view(path) -> dict:
     return got
 
 
+@pytest.mark.slow
 def test_tensorboard_reference_run_logs_every_step_in_one_dir(tensorboard_runs):
     ref, _, _ = tensorboard_runs
     (log_dir,) = glob.glob(str(ref / "runs" / "*"))
@@ -240,6 +241,7 @@ def test_tensorboard_reference_run_logs_every_step_in_one_dir(tensorboard_runs):
     assert sorted(set(steps)) == list(range(1, EPOCHS * N_ITER + 1))  # (fastai logs validation batches too)
 
 
+@pytest.mark.slow
 def test_tensorboard_resumed_run_continues_in_the_same_log_dir(tensorboard_runs):
     _, res, _ = tensorboard_runs
     dirs = glob.glob(str(res / "runs" / "*"))
@@ -247,6 +249,7 @@ def test_tensorboard_resumed_run_continues_in_the_same_log_dir(tensorboard_runs)
     assert len(glob.glob(os.path.join(dirs[0], "events.out.tfevents.*"))) == 2  # the killed run's, the resumed run's
 
 
+@pytest.mark.slow
 def test_tensorboard_shows_the_uninterrupted_runs_steps_and_values(tensorboard_runs):
     ref, res, _ = tensorboard_runs
     want, got = tensorboard_view(ref), tensorboard_view(res)
@@ -255,6 +258,7 @@ def test_tensorboard_shows_the_uninterrupted_runs_steps_and_values(tensorboard_r
         assert got[tag] == want[tag], f"{tag}: the resumed run's steps or values differ from the uninterrupted run"
 
 
+@pytest.mark.slow
 def test_tensorboard_negative_control_without_the_state_steps_are_logged_twice(tensorboard_runs):
     ref, _, control = tensorboard_runs
     want, got = tensorboard_view(ref), tensorboard_view(control)
@@ -392,6 +396,7 @@ def wandb_offline_runs(tmp_path_factory):
     return runs_of("wandb", tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_wandb_offline_resumed_run_logs_the_uninterrupted_steps_and_values(wandb_offline_runs):
     ref, res, _ = wandb_offline_runs
     (ref_run,) = wandb_runs(ref)
@@ -404,6 +409,7 @@ def test_wandb_offline_resumed_run_logs_the_uninterrupted_steps_and_values(wandb
     assert got == {s: want[s] for s in got}
 
 
+@pytest.mark.slow
 def test_wandb_offline_killed_run_logged_the_uninterrupted_values(wandb_offline_runs):
     """What the killed run's file holds is the uninterrupted run's. (W&B writes its offline file
     every 15 s, `x_transaction_log_flush_interval`: a SIGKILL loses what it logged since.)"""
@@ -415,12 +421,14 @@ def test_wandb_offline_killed_run_logged_the_uninterrupted_values(wandb_offline_
     assert got == {s: want[s] for s in got}
 
 
+@pytest.mark.slow
 def test_wandb_negative_control_without_the_state_the_resumed_run_restarts_at_step_0(wandb_offline_runs):
     ref, _, control = wandb_offline_runs
     _, resumed = wandb_runs(control)
     assert min(wandb_history(resumed)) == 0
 
 
+@pytest.mark.slow
 def test_wandb_offline_resumed_run_is_the_same_run_id(wandb_offline_runs):
     _, res, _ = wandb_offline_runs
     killed, resumed = wandb_runs(res)

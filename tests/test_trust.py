@@ -218,6 +218,7 @@ def test_autoresume_never_takes_or_deletes_another_runs_files(tmp_path):
     assert len(list((tmp_path / "models").glob("auto-*.frk"))) == 4
 
 
+@pytest.mark.slow
 def test_a_second_launch_on_the_same_run_is_refused_and_the_first_finishes(tmp_path):
     first = auto(tmp_path, epochs=3, sleep=0.12, wait=False)  # long enough for the second to start
     for line in first.stdout:
