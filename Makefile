@@ -52,15 +52,17 @@ fuzz: build/fuzz_reader build/test_core
 	./build/fuzz_reader -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
 	  -print_final_stats=1 build/fuzz-corpus 2>&1 | tail -n 12
 
+PYTEST := $(PY) -m pytest -q -ra -n 2 --dist worksteal --timeout 1200
+
 pytest: build
-	$(PY) -m pytest -q -ra -n 2 --dist worksteal --timeout 1200 --durations 40
+	$(PYTEST) --durations 40
 
 test: build lint ctest fuzz pytest
 
 # The inner loop while changing code: every test but those marked `slow` (2-process DDP jobs, Jupyter
 # kernels, notebooks, random-kill trials, runs of many processes), which `make test` and CI still run.
 quick: build
-	$(PY) -m pytest -q -ra -n 2 --dist worksteal --timeout 1200 -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # Every fastai release pyproject.toml claims (fastai_resume/compat.py: TESTED_FASTAI), and the oldest
 # with the oldest fastcore it admits: each installed apart (pip --no-deps --target build/compat/ROW,

@@ -120,6 +120,11 @@ KNOWN_FAILURES: dict = {}  # section: why its block fails today (strict: the mar
 PYTHON_BLOCKS = [(h, code) for h, lang, code in code_blocks(README) if lang == "python"]
 
 
+def launched_by_torchrun(code: str) -> bool:
+    "A block whose first line says torchrun runs as a 2-process job, as its README text launches it."
+    return "torchrun" in code.splitlines()[0]
+
+
 @pytest.mark.parametrize(
     "heading,code",
     [
@@ -128,7 +133,7 @@ PYTHON_BLOCKS = [(h, code) for h, lang, code in code_blocks(README) if lang == "
             code,
             id=re.sub(r"\W+", "-", h.lower()).strip("-"),
             marks=([pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[h])] if h in KNOWN_FAILURES else [])
-            + ([pytest.mark.slow] if "torchrun" in code.splitlines()[0] else []),  # a 2-process job
+            + ([pytest.mark.slow] if launched_by_torchrun(code) else []),
         )
         for h, code in PYTHON_BLOCKS
     ],
@@ -137,7 +142,7 @@ def test_the_readme_python_block_runs_as_written(heading, code, tmp_path):
     assert heading in PROMISES, f"say in PROMISES what the block of '{heading}' promises, and check it"
     (tmp_path / "train.py").write_text(PRELUDE + code)
     launch = [sys.executable, "train.py"]
-    if "torchrun" in code.splitlines()[0]:
+    if launched_by_torchrun(code):
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py"]
     p = subprocess.run(launch, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
