@@ -29,7 +29,7 @@ saves faster than one can be written: at most one save is in flight, and a save 
 while the previous one is still being written waits for it (the wait is part of the stall).
 
     python bench/overhead.py [--paired 110] [--segments-saves 4] [--iters 600] [--warm 10]
-                             [--every 250,110,20] [--rounds 5]
+                             [--every 250,110,10] [--rounds 5]
 """
 
 import argparse
@@ -217,7 +217,7 @@ def main():
     ap.add_argument("--segment-saves", type=int, default=4, help="saves per run of the paired measurement")
     ap.add_argument("--iters", type=int, default=600)
     ap.add_argument("--warm", type=int, default=10, help="steps before the clocks start")
-    ap.add_argument("--every", default="250,110,20", help="save intervals in steps, comma-separated")
+    ap.add_argument("--every", default="250,110,10", help="save intervals in steps, comma-separated")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own choice)")
     ap.add_argument("--json", default=None)

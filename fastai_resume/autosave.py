@@ -384,7 +384,7 @@ class AutoCheckpoint(Callback):
             return path  # not rank 0: nothing to write
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            w = BackgroundCommit(tree, path, self._pool)
+            w = BackgroundCommit(tree, path, self._pool, then=self._remove_stale)
         except (OSError, TypeError, ValueError, RuntimeError) as e:
             if not dist.active():
                 raise
@@ -418,7 +418,9 @@ class AutoCheckpoint(Callback):
             )
             return
         self._retried = False
-        self._committed(path)
+        self.saved.append(path)  # its thread has applied the retention (`_remove_stale`)
+        for msg in w.then_result:
+            warnings.warn(msg, stacklevel=2)
 
     def _committed(self, path):
         "Retention, only ever after a commit (and at autoresume): the newest `keep` of this run stay."
@@ -426,8 +428,21 @@ class AutoCheckpoint(Callback):
         self._retain()
 
     def _retain(self):
-        for old in self.checkpoints()[: -self.keep]:
+        for msg in self._remove_stale():
+            warnings.warn(msg, stacklevel=2)
+
+    def _remove_stale(self) -> list:
+        """Removes this run's checkpoints but the newest `keep`; returns what could not be removed, as
+        warnings to give. A background save runs it in its writer thread, after its commit: unlinking
+        a big file costs tens of milliseconds, which training need not wait for."""
+        try:
+            stale = self.checkpoints()[: -self.keep]
+        except OSError as e:
+            return [f"AutoCheckpoint: could not list {self.folder} to remove old checkpoints: {e}"]
+        failed = []
+        for old in stale:
             try:
                 old.unlink()
             except OSError as e:
-                warnings.warn(f"AutoCheckpoint: could not remove {old}: {e}", stacklevel=2)
+                failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
+        return failed

@@ -5,7 +5,9 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import warnings
+from pathlib import Path
 
 import pytest
 from procs import ENV, N_ITER, assert_same_run, reference, run, start, trainer_cmd, wait_for_line
@@ -119,6 +121,43 @@ def test_a_kill_between_the_last_commit_and_its_retention_is_trimmed_at_autoresu
     with learn2.no_bar(), learn2.no_logging():
         learn2.fit(1, 1e-3)  # resumes at the end: nothing to save
     assert [p.name for p in cb2.checkpoints()] == kept
+
+
+def test_background_saves_retire_old_checkpoints_in_their_writer_thread(tmp_path, monkeypatch):
+    """Unlinking a big file takes tens of milliseconds: a background save removes the checkpoints
+    retention retires from its writer thread, after its commit; one it cannot remove is still named
+    in a warning, given in the training thread."""
+    cb = fr.AutoCheckpoint(every_iters=10, keep=2, every_epoch=False)
+    learn = build(tmp_path, noise=False, extra_cbs=[cb])
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3)
+    old = cb.checkpoints()
+    assert len(old) == 2
+    old[0].unlink()
+    old[0].mkdir()  # a name of this run that unlink cannot remove (EISDIR)
+    calls = []
+    real_unlink = Path.unlink
+
+    def unlink(self, *a, **k):
+        calls.append((self.name, threading.current_thread().name))
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    cb2 = fr.AutoCheckpoint(every_iters=10, keep=2, every_epoch=False, resume=False)
+    learn2 = build(tmp_path, noise=False, extra_cbs=[cb2])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with learn2.no_bar(), learn2.no_logging():
+            learn2.fit(1, 1e-3)
+    assert cb2.run_id == cb.run_id
+    retired = [(n, t) for n, t in calls if n.startswith(f"auto-{cb.run_id}-") and n.endswith(".frk")]
+    assert old[1].name in {n for n, _ in retired} and not old[1].exists()
+    assert {t for _, t in retired} == {"fastai_resume-commit"}  # never the training thread
+    kept = cb2.checkpoints()
+    assert kept[0] == old[0] and kept[0].is_dir() and len(kept) == 3  # the newest 2, and what could not go
+    assert [p.name for p in kept[1:]] == [p.name for p in cb2.saved[-2:]]
+    assert any(f"could not remove {old[0]}" in str(x.message) for x in w)
+    fr.load(kept[-1])
 
 
 def test_no_checkpoint_starts_from_the_beginning(tmp_path):

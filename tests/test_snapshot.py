@@ -1,6 +1,8 @@
 """Background saves copy everything mutable at the batch boundary: what training changes after the
 snapshot is taken never reaches the file, which holds the old values and verifies."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -84,11 +86,24 @@ def test_a_conjugated_or_negated_view_keeps_its_values_in_the_snapshot(tmp_path)
     assert torch.equal(back["neg"], torch.tensor([-1.0, -2.0]))
 
 
-def test_a_failed_background_write_raises_at_wait_with_the_path(tmp_path):
-    bc = BackgroundCommit(state(), tmp_path / "missing-dir" / "x.frk")
+def test_a_failed_background_write_raises_at_wait_with_the_path_and_runs_no_then(tmp_path):
+    ran = []
+    bc = BackgroundCommit(state(), tmp_path / "missing-dir" / "x.frk", then=lambda: ran.append(1))
     with pytest.raises(OSError, match="missing-dir"):
         bc.wait()
-    assert bc.done
+    assert bc.done and ran == [] and bc.then_result is None  # retention never follows a failed commit
+
+
+def test_then_runs_in_the_writer_thread_once_the_file_is_committed(tmp_path):
+    seen = []
+
+    def then():
+        seen.append((threading.current_thread().name, (tmp_path / "x.frk").exists()))
+        return "retired"
+
+    bc = BackgroundCommit(state(), tmp_path / "x.frk", then=then)
+    bc.wait()
+    assert seen == [("fastai_resume-commit", True)] and bc.then_result == "retired"
 
 
 def test_an_unstorable_value_fails_when_the_save_starts_with_its_path(tmp_path):

@@ -11,6 +11,10 @@
  * csrc/layout.h and re-seal them (index CRC, footer CRC, blob CRCs), so every
  * rejection they check is a structural check, not a checksum.  A valid image
  * from the same helper is opened first in each group as the negative control.
+ *
+ * One file of about 2,900 lines: the sanitizer build (make ctest) and the fuzz target's seed writer
+ * (--write-seeds) are this one binary, and each hand-built hostile image sits beside the check
+ * it must trip.
  */
 #define _GNU_SOURCE
 #include "frk.h"
@@ -2685,22 +2689,32 @@ static void direct_case(void)
 
 static void test_crc_combine_and_copy(void)
 {
-    static const size_t sizes[] = {0, 1, 100, (64u << 10) + 3, (16u << 20) + 4099};
+    static const size_t sizes[] = {
+        0, 1, 15, 100, (64u << 10) + 3, (2u << 20) + 77, (16u << 20) + 4099};
     for (size_t s = 0; s < sizeof sizes / sizeof *sizes; s++) {
         size_t n = sizes[s];
-        uint8_t *src = xmalloc(n), *dst = xmalloc(n);
-        for (size_t k = 0; k < n; k++)
+        uint8_t *src = xmalloc(n + 16), *out = xmalloc(n + 32);
+        for (size_t k = 0; k < n + 16; k++)
             src[k] = (uint8_t)(rnd() >> 32);
-        memset(dst, 0xAA, n);
-        uint32_t crc = frk_copy_crc32c(dst, src, n);
-        CHECKF(crc == frk_crc32c(0, src, n) && (!n || !memcmp(dst, src, n)), "copy of %zu", n);
+        uint32_t crc = frk_crc32c(0, src, n);
+        for (size_t off = 0; off < 17; off += off < 4 ? 1 : 4) { /* dst and src off 16-byte lines */
+            uint8_t *dst = out + off;
+            memset(out, 0xAA, n + 32);
+            CHECKF(frk_copy_crc32c(dst, src + off % 3, n) == frk_crc32c(0, src + off % 3, n) &&
+                       (!n || !memcmp(dst, src + off % 3, n)),
+                   "copy of %zu to +%zu", n, off);
+            for (size_t k = 0; k < off; k++) /* nothing written outside dst */
+                CHECKF(out[k] == 0xAA, "copy of %zu to +%zu wrote before dst", n, off);
+            for (size_t k = off + n; k < n + 32; k++)
+                CHECKF(out[k] == 0xAA, "copy of %zu to +%zu wrote after dst", n, off);
+        }
         for (int k = 0; k < 8; k++) { /* crc(A || B) from crc(A), crc(B) and len(B) */
             size_t cut = rnd_below(n + 1);
             uint32_t ca = frk_crc32c(0, src, cut), cb = frk_crc32c(0, src + cut, n - cut);
             CHECKF(frk_crc32c_combine(ca, cb, n - cut) == crc, "%zu cut at %zu", n, cut);
         }
         free(src);
-        free(dst);
+        free(out);
     }
 }
 
