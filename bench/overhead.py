@@ -17,8 +17,9 @@ by 20-50% from one run to the next, far more than a save costs. So one fit saves
 and is cut into segments of N steps, a save in the middle of every other one; a save's cost is its
 segment's time minus the mean of the two segments beside it (a second apart: the machine's drift
 cancels). The same cut of a fit without saves gives the method's own noise, and background saves
-written through the page cache (`BackgroundCommit.direct = False`) what writing around it saves. Each run's first save
-is reported apart (a background save allocates its reusable buffers then). The overhead at a save
+written through the page cache (`BackgroundCommit.direct = False`) what writing around it saves; a
+copy of the same number of bytes between two warm buffers at the same steps (`MemcpyAt`) is the
+limit of any snapshot, measured where the snapshot runs. Each run's first save is reported apart (a background save allocates its reusable buffers then). The overhead at a save
 interval of I steps is then cost / (I x step time).
 
 Model: a frozen embedding table of 50,000 x 1,024 float32 (205 MB, a stand-in for a frozen
@@ -114,6 +115,27 @@ class Clock(Callback):
             self.t0, self.c0 = time.perf_counter(), time.process_time()
 
 
+class MemcpyAt(Callback):
+    """The limit of a snapshot, inside the fit: at the steps where AutoCheckpoint would save, one copy
+    of the same number of bytes (the model's and the optimizer's state) between two buffers already in
+    memory, timed. The buffers are allocated at the first such step, as a background save's are."""
+
+    order = 100  # where AutoCheckpoint runs
+
+    def __init__(self, every):
+        self.every, self.bufs, self.stalls = every, None, []
+
+    def after_batch(self):
+        if not self.training or self.learn.train_iter % self.every:
+            return
+        t0 = time.perf_counter()
+        if self.bufs is None:
+            n = state_bytes(self.learn)
+            self.bufs = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+        self.bufs[1].copy_(self.bufs[0])
+        self.stalls.append(time.perf_counter() - t0)
+
+
 def timed(path, iters, warm, cbs):
     """Wall and CPU seconds (all threads) of steps `warm`..`iters` of a fit, up to the end of the fit
     (AutoCheckpoint's `after_fit` waits for a save still being written). The first steps allocate the
@@ -144,7 +166,7 @@ def paired(a, d):
     / synchronous (see the module's docstring)."""
     n, saves, h = a.paired, a.segment_saves, a.paired // 2
     iters = 2 * n * saves + h + n + 1
-    modes = ("none", "background", "synchronous", "background-buffered")
+    modes = ("none", "background", "synchronous", "background-buffered", "memcpy")
     cost = {m: [] for m in modes}
     first = {m: [] for m in modes}
     stalls = {m: [] for m in modes}
@@ -153,7 +175,9 @@ def paired(a, d):
         for mode in modes:
             clock = StepTimes()
             cbs = [clock]
-            if mode != "none":
+            if mode == "memcpy":
+                cbs.append(MemcpyAt(2 * n))
+            elif mode != "none":
                 cbs.append(
                     TimedAutoCheckpoint(
                         every_iters=2 * n, every_epoch=False, keep=2, resume=False, background=mode != "synchronous"

@@ -66,8 +66,12 @@ def paired(res) -> list:
         + " | a run's first save | stall per save |",
         "|---|---|" + "---|" * len(intervals) + "---|---|",
     ]
-    names = {"background-buffered": "background, through the page cache", "none": "none (the method's noise)"}
-    for mode in ("background", "synchronous", "background-buffered", "none"):
+    names = {
+        "background-buffered": "background, through the page cache",
+        "memcpy": "a memcpy of the same bytes at those steps (the limit)",
+        "none": "none (the method's noise)",
+    }
+    for mode in ("background", "synchronous", "background-buffered", "memcpy", "none"):
         if mode not in p["cost_s"]:
             continue
         c = p["cost_s"][mode]
@@ -89,6 +93,13 @@ def paired(res) -> list:
             else "."
         )
     ]
+    if "memcpy" in p["cost_s"]:
+        st, lim = p["stall_s"]["background"]["median"], p["stall_s"]["memcpy"]["median"]
+        verdict.append(
+            f"- Stall per background save {1e3 * st:.0f} ms against {1e3 * lim:.0f} ms for a memcpy of the same "
+            f"bytes at the same steps ({st / lim:.1f}x); cost per save {1e3 * bg:+.0f} ms against "
+            f"{1e3 * p['cost_s']['memcpy']['median']:+.0f} ms."
+        )
     for e in intervals:
         o, noise = 100 * bg / (e * step), 100 * no / (e * step)
         verdict.append(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -134,10 +135,13 @@ class AutoCheckpoint(Callback):
 
     def checkpoints(self):
         "This run's checkpoint files, oldest (attempt, stage, fit, epoch, iteration) first."
-        if self.run_id is None or not self.folder.is_dir():
+        return self._files(self.folder)
+
+    def _files(self, folder: Path) -> list:
+        if self.run_id is None or not folder.is_dir():
             return []
         pat = self._pattern()
-        return sorted(p for p in self.folder.iterdir() if pat.match(p.name))
+        return sorted(p for p in folder.iterdir() if pat.match(p.name))
 
     def latest_valid(self):
         """The newest checkpoint of this run that verifies. Each newer one proven corrupt (bad magic,
@@ -384,7 +388,7 @@ class AutoCheckpoint(Callback):
             return path  # not rank 0: nothing to write
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            w = BackgroundCommit(tree, path, self._pool, then=self._remove_stale)
+            w = BackgroundCommit(tree, path, self._pool, then=functools.partial(self._remove_stale, path.parent))
         except (OSError, TypeError, ValueError, RuntimeError) as e:
             if not dist.active():
                 raise
@@ -419,7 +423,10 @@ class AutoCheckpoint(Callback):
             return
         self._retried = False
         self.saved.append(path)  # its thread has applied the retention (`_remove_stale`)
-        for msg in w.then_result:
+        if w.then_error is not None:
+            msg = f"AutoCheckpoint: saved {path}, then removing older checkpoints failed: {w.then_error!r}"
+            warnings.warn(msg, stacklevel=2)
+        for msg in w.then_result or ():
             warnings.warn(msg, stacklevel=2)
 
     def _committed(self, path):
@@ -431,14 +438,16 @@ class AutoCheckpoint(Callback):
         for msg in self._remove_stale():
             warnings.warn(msg, stacklevel=2)
 
-    def _remove_stale(self) -> list:
-        """Removes this run's checkpoints but the newest `keep`; returns what could not be removed, as
-        warnings to give. A background save runs it in its writer thread, after its commit: unlinking
-        a big file costs tens of milliseconds, which training need not wait for."""
+    def _remove_stale(self, folder: Path | None = None) -> list:
+        """Removes this run's checkpoints in `folder` (default: `self.folder`) but the newest `keep`;
+        returns what could not be removed, as warnings to give. A background save runs it in its writer
+        thread after its commit, with the folder it wrote to: unlinking a big file costs tens of
+        milliseconds, which training need not wait for."""
+        folder = self.folder if folder is None else folder
         try:
-            stale = self.checkpoints()[: -self.keep]
+            stale = self._files(folder)[: -self.keep]
         except OSError as e:
-            return [f"AutoCheckpoint: could not list {self.folder} to remove old checkpoints: {e}"]
+            return [f"AutoCheckpoint: could not list {folder} to remove old checkpoints: {e}"]
         failed = []
         for old in stale:
             try:

@@ -159,8 +159,10 @@ class BackgroundCommit:
     around the page cache; bench/overhead.py measures both ways in the same run.
 
     `then`, if given, runs in the thread once the commit has succeeded (never after a failed one);
-    its return value is `then_result`. AutoCheckpoint removes its old checkpoints there: unlinking a
-    230 MB file took 34-53 ms, which on the training thread was a second stall per save."""
+    its return value is `then_result`, what it raised `then_error` (the file is committed either
+    way: `wait()` does not raise it), its time `then_seconds`. AutoCheckpoint removes its old
+    checkpoints there: unlinking a 230 MB file took 34-53 ms, which on the training thread was a
+    second stall per save."""
 
     direct = True  # write around the page cache where the file system allows it (False: through it)
 
@@ -174,7 +176,8 @@ class BackgroundCommit:
     ):
         pool = pool or SnapshotPool()
         self._writer = io.encode(pool.snapshot(tree), pool.crcs)  # an unstorable value raises here, in this thread
-        self._result = self._error = self.seconds = self.then_result = None
+        self._result = self._error = self.seconds = None
+        self.then_result = self.then_error = self.then_seconds = None
         self._then = then
         self._thread = threading.Thread(target=self._run, args=(os.fspath(path), fsync), name="fastai_resume-commit")
         self._thread.start()
@@ -190,10 +193,12 @@ class BackgroundCommit:
             self._writer = None  # the snapshot's buffers are free once the bytes are on disk
             self.seconds = time.perf_counter() - t0
         if self._error is None and self._then is not None:
+            t0 = time.perf_counter()
             try:
                 self.then_result = self._then()
             except BaseException as e:
-                self._error = e
+                self.then_error = e
+            self.then_seconds = time.perf_counter() - t0
 
     @property
     def done(self) -> bool:

@@ -103,7 +103,17 @@ def test_then_runs_in_the_writer_thread_once_the_file_is_committed(tmp_path):
 
     bc = BackgroundCommit(state(), tmp_path / "x.frk", then=then)
     bc.wait()
-    assert seen == [("fastai_resume-commit", True)] and bc.then_result == "retired"
+    assert seen == [("fastai_resume-commit", True)] and bc.then_result == "retired" and bc.then_error is None
+
+
+def test_an_error_in_then_is_its_own_and_the_save_still_counts(tmp_path):
+    def then():
+        raise PermissionError("cannot remove the old file")
+
+    bc = BackgroundCommit(state(), tmp_path / "x.frk", then=then)
+    assert bc.wait() > 0  # the commit's bytes: the file is saved
+    assert isinstance(bc.then_error, PermissionError) and bc.then_result is None
+    fr.info(tmp_path / "x.frk", verify=True)
 
 
 def test_an_unstorable_value_fails_when_the_save_starts_with_its_path(tmp_path):
