@@ -357,7 +357,7 @@ class ResumeSession(Callback):
             return  # a bare start_epoch / start_iter: skip, restore nothing
         sv = self.saved = _rank_view(self.saved)
         if self.opt_state is not None:  # again: a wrapper may have cleared it (fine_tune's freeze)
-            self.opt.load_state_dict(self.opt_state)
+            self.opt.load_state_dict(_on_training_device(self.learn, self.opt_state))
         self._restore_grads(sv)
         hypers = sv["hypers"]
         if hypers and len(hypers) != len(self.opt.hypers):
@@ -645,6 +645,18 @@ def _rank_view(saved: dict) -> dict:
         return saved
     mine = ranks[dist.rank()]
     return saved if mine is None else {**saved, **mine}
+
+
+def _on_training_device(learn, tree):
+    """`tree` (an optimizer state kept on the CPU since `learn.load`) on the device the fit trains on:
+    the loaders' device, as fastai's `load` and `TrainEvalCallback` use, else the parameters'. On the
+    CPU a CUDA fit's first step failed: Adam's moments on the CPU, the gradients on the GPU."""
+    from fastai.torch_core import to_device
+
+    dev = getattr(learn.dls, "device", None)
+    if dev is None:
+        dev = next(iter(learn.model.parameters()), torch.empty(0)).device
+    return tree if torch.device(dev).type == "cpu" else to_device(tree, dev)
 
 
 def _pending_grads(model):
