@@ -8,6 +8,7 @@ import sys
 
 import torch
 from filelock import FileLock
+from forkserver import Pool
 
 import fastai_resume as fr
 
@@ -16,6 +17,7 @@ N_ITER = 46  # 1500 training digits, bs 32, drop_last
 
 
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+FORKS = Pool()  # runs of training scripts fork from interpreters that imported torch and fastai (forkserver.py)
 
 
 def trainer_cmd(path, out, *args):
@@ -40,7 +42,7 @@ def wait_for_line(p, prefix) -> list:
 
 
 def run(path, out, *args, expect_kill=False):
-    p = subprocess.run(trainer_cmd(path, out, *args), capture_output=True, text=True, env=ENV, timeout=600)
+    p = FORKS.run(trainer_cmd(path, out, *args), env=ENV, timeout=600)
     if expect_kill:
         assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
     else:
@@ -94,7 +96,7 @@ def workload_cmd(pipeline, path, out, *args):
 
 def run_workload(pipeline, path, out, *args, expect=0):
     "Runs tests/workloads.py in a new process; `expect`: its exit status (-9: killed by SIGKILL)."
-    p = subprocess.run(workload_cmd(pipeline, path, out, *args), capture_output=True, text=True, env=ENV, timeout=900)
+    p = FORKS.run(workload_cmd(pipeline, path, out, *args), env=ENV, timeout=900)
     assert p.returncode == expect, f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}"
     return p.stdout + p.stderr
 

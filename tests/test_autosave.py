@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from procs import ENV, N_ITER, assert_same_run, reference, run, start, trainer_cmd, wait_for_line
+from procs import ENV, FORKS, N_ITER, assert_same_run, reference, run, start, trainer_cmd, wait_for_line
 from trainer import build
 
 import fastai_resume as fr
@@ -177,12 +177,8 @@ def test_full_disk_during_autosave_is_a_clear_error_and_keeps_previous_checkpoin
     assert len(before) == 2
     for p in (tmp_path / "models").glob("auto-*.frk"):  # make the next saves bigger than the limit
         os.rename(p, p.with_name(p.name.replace("auto-", "old-")))
-    proc = subprocess.run(
-        trainer_cmd(tmp_path, tmp_path / "b.frk", "--auto", "5", "--ballast-mb", "8", "--fsize-mb", "4"),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = FORKS.run(
+        trainer_cmd(tmp_path, tmp_path / "b.frk", "--auto", "5", "--ballast-mb", "8", "--fsize-mb", "4"), ENV, 600
     )
     assert proc.returncode != 0
     assert "background save of" in proc.stderr and "File too large" in proc.stderr

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from procs import ENV, HERE, equal, run_name, shared_run, start, wait_for_line
+from procs import ENV, FORKS, HERE, equal, run_name, shared_run, start, wait_for_line
 
 import fastai_resume as fr
 
@@ -142,13 +142,11 @@ def test_a_different_world_size_is_refused_with_a_clear_error_or_resharded_on_re
         "--out",
         str(tmp_path / "one.frk"),
     ]
-    p = subprocess.run(single + ["--resume", "crash"], capture_output=True, text=True, env=ENV, timeout=600)
+    p = FORKS.run(single + ["--resume", "crash"], ENV, 600)
     assert p.returncode != 0
     assert "saved by a fit of 2 process(es) and this fit runs 1" in p.stderr and "start_epoch" in p.stderr
     # the documented rule: an explicit start_epoch continues anyway, re-sharded for 1 process
-    p = subprocess.run(
-        single + ["--resume", "crash", "--start-epoch", "2"], capture_output=True, text=True, env=ENV, timeout=600
-    )
+    p = FORKS.run(single + ["--resume", "crash", "--start-epoch", "2"], ENV, 600)
     assert p.returncode == 0, p.stderr
     assert "at epoch 2, iteration 0/46" in p.stdout
     assert len(fr.load(tmp_path / "one.frk")["seen"]["2"]) == 1500

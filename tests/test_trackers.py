@@ -12,8 +12,8 @@ import os
 import shutil
 import signal
 import struct
-import subprocess
 import sys
+import time
 
 import pytest
 
@@ -104,6 +104,8 @@ def main(argv=None):
 
 
 def run_script(path, tracker, *args, expect_kill=False):
+    from procs import FORKS  # not at the top: this file is also the training script, which imports the package itself
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # a run in this process sets some
     env.update(
         PYTHONWARNINGS="ignore",
@@ -113,14 +115,7 @@ def run_script(path, tracker, *args, expect_kill=False):
         WANDB_DISABLE_GIT="true",
         WANDB_CONSOLE="off",
     )
-    p = subprocess.run(
-        [sys.executable, __file__, "--path", str(path), "--tracker", tracker, *args],
-        cwd=path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    p = FORKS.run([sys.executable, __file__, "--path", str(path), "--tracker", tracker, *args], env, 600, path)
     assert p.returncode == (-signal.SIGKILL if expect_kill else 0), p.stdout + p.stderr
     return p.stdout
 
@@ -203,6 +198,9 @@ def crash_then_resume(path, control, tracker):
     run_script(path, tracker, "--save-at", save, "--die-at", die, expect_kill=True)
     assert (path / "models" / "crash.frk").exists()
     shutil.copytree(path, control, dirs_exist_ok=True)
+    # TensorBoard's default log dir is named by the second a run starts: a restarted job starts later
+    # than its killed run did (here a forked interpreter could start within that second)
+    time.sleep(1.0)
     run_script(control, tracker, "--resume", "crash", "--without-tracker-state")
     run_script(path, tracker, "--resume", "crash")
 
