@@ -17,8 +17,9 @@ by 20-50% from one run to the next, far more than a save costs. So one fit saves
 and is cut into segments of N steps, a save in the middle of every other one; a save's cost is its
 segment's time minus the mean of the two segments beside it (a second apart: the machine's drift
 cancels). The same cut of a fit without saves gives the method's own noise, and background saves
-written through the page cache (`BackgroundCommit.direct = False`) what writing around it saves; a
-copy of the same number of bytes between two warm buffers at the same steps (`MemcpyAt`) is the
+written through the page cache (`BackgroundCommit.direct = False`) what writing around it saves,
+background saves from snapshot buffers in 4 KB pages (`snapshot.huge_pages = False`) what the huge
+pages save; a copy of the same number of bytes between two warm buffers at the same steps (`MemcpyAt`) is the
 limit of any snapshot, measured where the snapshot runs. Each run's first save is reported apart (a background save allocates its reusable buffers then). The overhead at a save
 interval of I steps is then cost / (I x step time).
 
@@ -56,6 +57,7 @@ from fastai.learner import Learner  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 
 import fastai_resume  # noqa: E402
+from fastai_resume import snapshot  # noqa: E402
 from fastai_resume.snapshot import BackgroundCommit  # noqa: E402
 
 
@@ -166,7 +168,7 @@ def paired(a, d):
     / synchronous (see the module's docstring)."""
     n, saves, h = a.paired, a.segment_saves, a.paired // 2
     iters = 2 * n * saves + h + n + 1
-    modes = ("none", "background", "synchronous", "background-buffered", "memcpy")
+    modes = ("none", "background", "synchronous", "background-buffered", "background-base-pages", "memcpy")
     cost = {m: [] for m in modes}
     first = {m: [] for m in modes}
     stalls = {m: [] for m in modes}
@@ -185,9 +187,10 @@ def paired(a, d):
                 )
             learn = learner(os.path.join(d, f"p{r}-{mode}"), iters, cbs)
             BackgroundCommit.direct = mode != "background-buffered"  # the comparison: through the page cache
+            snapshot.huge_pages = mode != "background-base-pages"  # and: the buffers in 4 KB pages
             with learn.no_bar(), learn.no_logging():
                 learn.fit(1, 1e-4)
-            BackgroundCommit.direct = True
+            BackgroundCommit.direct, snapshot.huge_pages = True, True
             t = clock.t
             for j in range(1, saves + 1):
                 s = 2 * n * j

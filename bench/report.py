@@ -68,10 +68,11 @@ def paired(res) -> list:
     ]
     names = {
         "background-buffered": "background, through the page cache",
+        "background-base-pages": "background, buffers in 4 KB pages",
         "memcpy": "a memcpy of the same bytes at those steps (the limit)",
         "none": "none (the method's noise)",
     }
-    for mode in ("background", "synchronous", "background-buffered", "memcpy", "none"):
+    for mode in ("background", "synchronous", "background-buffered", "background-base-pages", "memcpy", "none"):
         if mode not in p["cost_s"]:
             continue
         c = p["cost_s"][mode]
@@ -88,10 +89,16 @@ def paired(res) -> list:
         f"- Background {'cheaper' if bg < sy else 'not cheaper'} than synchronous per save "
         f"({1e3 * bg:+.0f} ms against {1e3 * sy:+.0f} ms; noise of the method {1e3 * no:+.0f} ms)"
         + (
-            f"; written through the page cache a background save costs {1e3 * p['cost_s']['background-buffered']['median']:+.0f} ms."
+            f"; written through the page cache a background save costs {1e3 * p['cost_s']['background-buffered']['median']:+.0f} ms"
             if "background-buffered" in p["cost_s"]
-            else "."
+            else ""
         )
+        + (
+            f"; from buffers in 4 KB pages {1e3 * p['cost_s']['background-base-pages']['median']:+.0f} ms"
+            if "background-base-pages" in p["cost_s"]
+            else ""
+        )
+        + "."
     ]
     if "memcpy" in p["cost_s"]:
         st, lim = p["stall_s"]["background"]["median"], p["stall_s"]["memcpy"]["median"]

@@ -170,3 +170,48 @@ def test_copy_crc32c_copies_and_checksums_and_refuses_what_it_cannot_do():
         _core.copy_crc32c(np.zeros(3, dtype=np.uint8), b"ab")
     with pytest.raises(TypeError):
         _core.copy_crc32c(b"read-only", b"read-only")
+
+
+def _huge_kb_of(addr: int) -> int:
+    "AnonHugePages of the mapping that holds `addr`, in kB (from /proc/self/smaps)."
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the buffer")
+
+
+def test_big_snapshot_buffers_start_on_a_huge_page_and_are_offered_to_transparent_huge_pages(tmp_path):
+    from fastai_resume import snapshot
+
+    n = (48 << 20) + 4097  # not a multiple of a page
+    st = snapshot._page_storage(n)
+    assert st.nbytes() == n and st.data_ptr() % snapshot._HUGE == 0
+    t = torch.empty(0, dtype=torch.uint8).set_(st)
+    t.fill_(7)  # touched: the kernel backs the madvised range with huge pages where it can
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().split("[")[1].split("]")[0]
+    except OSError:
+        thp = "never"
+    if thp != "never":  # 'madvise' here; 'always' elsewhere
+        assert _huge_kb_of(st.data_ptr()) >= 40 << 10
+    snapshot.huge_pages = False
+    try:
+        small = snapshot._page_storage(n)
+        torch.empty(0, dtype=torch.uint8).set_(small).fill_(1)
+        assert small.data_ptr() % 4096 == 0 and small.nbytes() == n
+        if thp == "madvise":  # (with 'always' every big mapping gets huge pages)
+            assert _huge_kb_of(small.data_ptr()) == 0
+    finally:
+        snapshot.huge_pages = True
+    # a background save from such a buffer: the file holds its bytes and verifies
+    tree = {"model": {"w": torch.arange(n // 4, dtype=torch.float32)}}
+    BackgroundCommit(tree, tmp_path / "h.frk").wait()
+    fr.info(tmp_path / "h.frk", verify=True)
+    assert torch.equal(fr.load(tmp_path / "h.frk")["model"]["w"], tree["model"]["w"])
