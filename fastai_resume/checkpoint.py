@@ -33,7 +33,8 @@ __all__ = [
     "remove_dead_temps",
 ]
 
-STATE_VERSION = 2  # 2: stages, loader states, validation-time RNG; 1 files are refused with a message
+STATE_VERSION = 3  # 3: the Recorder's lrs as one float64 tensor; 2: stages, loader states, validation-time RNG
+RESUMES_FROM = 2  # training positions saved by older schemas are refused with a message (1: no stages)
 
 
 def model_tree(learn, with_opt: bool) -> dict:
@@ -239,8 +240,11 @@ def _recorder(v, where):
     if v is None:
         return
     v = _dict(v, where, ("lrs", "iters", "losses", "values", "smooth_count", "smooth_val"))
-    for x in _seq(v["lrs"], f"{where}.lrs"):
-        _num(x, f"{where}.lrs[]")
+    if isinstance(v["lrs"], torch.Tensor):  # schema 3
+        _tensor(v["lrs"], f"{where}.lrs", torch.float64, 1)
+    else:
+        for x in _seq(v["lrs"], f"{where}.lrs"):
+            _num(x, f"{where}.lrs[]")
     for x in _seq(v["iters"], f"{where}.iters"):
         _int(x, f"{where}.iters[]")
     losses = v["losses"]
@@ -371,7 +375,7 @@ def read(path: Path) -> dict:
         raise CheckpointError(f"{path}: 'opt' is a {type(tree['opt']).__name__}, expected a dict")
     train = tree.get("train")
     if train is not None:
-        if v < STATE_VERSION:
+        if v < RESUMES_FROM:
             raise CheckpointError(
                 f"{path}: its training position was saved by an older fastai_resume (schema {v}) "
                 "and cannot be resumed exactly by this one; load(..., resume=False) loads its "

@@ -4,6 +4,7 @@ the rules of with_iter."""
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 from procs import equal as tensors_equal
@@ -207,6 +208,59 @@ def test_restored_losses_are_rebuilt_on_first_read_into_a_plain_list(tmp_path):
     assert torch.equal(saved, torch.stack(ref.recorder.losses[:7]))
     fresh.recorder.losses = [torch.tensor(1.0)]  # plain assignment still works, pending or not
     assert len(fresh.recorder.losses) == 1
+
+
+def test_the_recorders_history_is_converted_once_per_entry_and_always_equals_the_whole_list(tmp_path, monkeypatch):
+    """A save converts only the lrs and losses appended since the Recorder's last save (a run of days
+    otherwise paid for its whole history at every save); whatever happens to the lists, what is
+    saved equals converting them whole, and a save/load round trip gives back the same floats."""
+    from fastai_resume import state
+
+    learn = trained(tmp_path)
+    rec = learn.recorder
+    converted = []
+    for name in ("_stack_losses", "_float_tensor"):
+        real = getattr(state, name)
+        monkeypatch.setattr(state, name, lambda items, real=real: converted.append(len(items)) or real(items))
+
+    def check(n_converted):
+        converted.clear()
+        st = state.recorder_state(rec)
+        assert converted == n_converted
+        assert st["lrs"].dtype == torch.float64 and st["lrs"].tolist() == rec.lrs
+        assert all(type(x) is float for x in st["lrs"].tolist())
+        assert torch.equal(st["losses"], torch.stack(rec.losses))
+
+    n = len(rec.lrs)
+    check([n, n])  # the first save converts the whole history
+    check([])  # nothing new: nothing converted
+    rec.losses.append(torch.tensor(0.25))
+    rec.lrs += [1e-3, 2e-3]
+    check([1, 2])  # only the tail
+    rec.losses[3] = torch.tensor(9.0)  # an entry replaced: the whole list again
+    rec.lrs.pop(5)  # one removed
+    check([n + 1, n + 1])
+    rec.lrs.insert(0, 0.5)
+    rec.losses = list(rec.losses)  # a new list of the same objects: the same values, nothing to convert
+    check([n + 2])
+    rec.losses = [x.clone() for x in rec.losses]  # new objects: all converted again
+    check([n + 1])
+    rec.lrs.append(np.float32(0.1))  # an entry that is not a float: saved as a list, as before
+    st = state.recorder_state(rec)
+    assert isinstance(st["lrs"], list) and st["lrs"][-1] == np.float32(0.1).item()
+    # saved mid-fit, resumed: the same floats back in the Recorder
+    mid = build(tmp_path)
+    with mid.no_bar(), mid.no_logging():
+        mid.fit(1, 1e-3, cbs=_SaveAt(7))
+    tree = fr.load(tmp_path / "models" / "mid.frk")
+    assert tree["fastai_resume"] == 3 and tree["train"]["recorder"]["lrs"].dtype == torch.float64
+    fresh = build(tmp_path)
+    fresh.load("mid")
+    with fresh.no_bar(), fresh.no_logging():
+        fresh.fit(1, 1e-3)
+    ref = trained(tmp_path)  # the uninterrupted epoch
+    assert fresh.recorder.lrs == ref.recorder.lrs and all(type(x) is float for x in fresh.recorder.lrs)
+    assert torch.equal(torch.stack(fresh.recorder.losses), torch.stack(ref.recorder.losses))
 
 
 def test_a_vanilla_pth_renamed_frk_loads_by_its_magic_bytes(tmp_path):
