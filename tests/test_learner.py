@@ -261,6 +261,15 @@ def test_the_recorders_history_is_converted_once_per_entry_and_always_equals_the
     ref = trained(tmp_path)  # the uninterrupted epoch
     assert fresh.recorder.lrs == ref.recorder.lrs and all(type(x) is float for x in fresh.recorder.lrs)
     assert torch.equal(torch.stack(fresh.recorder.losses), torch.stack(ref.recorder.losses))
+    # a file of schema 2 (the previous release: lrs as a list of floats) resumes the same way
+    tree["fastai_resume"], tree["train"]["recorder"]["lrs"] = 2, tree["train"]["recorder"]["lrs"].tolist()
+    fr.save(tree, tmp_path / "models" / "old.frk")
+    old = build(tmp_path)
+    old.load("old")
+    with old.no_bar(), old.no_logging():
+        old.fit(1, 1e-3)
+    assert old.recorder.lrs == ref.recorder.lrs
+    assert tensors_equal(old.model.state_dict(), ref.model.state_dict())
 
 
 def test_a_vanilla_pth_renamed_frk_loads_by_its_magic_bytes(tmp_path):
