@@ -23,7 +23,9 @@ setup(
                 "-Wextra",
                 "-Wno-missing-field-initializers",
                 "-Wno-cast-function-type",
+                "-fopenmp",  # the snapshot copy's team (csrc/crc32c.c), used beside torch's own runtime only
             ],
+            extra_link_args=["-fopenmp"],
             libraries=["pthread"],
         )
     ]

@@ -5,6 +5,10 @@
 #include "frk.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <string.h>
 
 #define POLY 0x82F63B78u
@@ -309,10 +313,54 @@ static void *copy_crc_thread(void *arg)
     return NULL;
 }
 
+#ifdef _OPENMP
+/* Whether the split copy runs on OpenMP's threads (frk_copy_use_openmp). */
+static atomic_int copy_openmp;
+#endif
+
+int frk_copy_use_openmp(int on)
+{
+#ifdef _OPENMP
+    atomic_store(&copy_openmp, on != 0);
+    return on != 0;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+#ifdef _OPENMP
+/* The split copy as an OpenMP team of two: where the process's only OpenMP runtime is the one
+ * torch's own threads come from, the second half goes to a worker of torch's pool, which after
+ * each parallel region of a training step spins for milliseconds waiting for the next one, and
+ * takes this region at once. A thread of our own shared that core with the spinning worker: 205 MB
+ * in 22-25 ms inside a fit against 16-17 ms this way. */
+static uint32_t copy_crc_openmp(void *dst, const void *src, size_t len)
+{
+    size_t half = len / 2 / 4096 * 4096;
+    uint32_t crc[2] = {0, 0};
+    int team = 1;
+#pragma omp parallel num_threads(2)
+    {
+        if (omp_get_thread_num() == 0) {
+            team = omp_get_num_threads();
+            crc[0] = copy_crc_one(dst, src, team == 1 ? len : half);
+        } else {
+            crc[1] = copy_crc_one((uint8_t *)dst + half, (const uint8_t *)src + half, len - half);
+        }
+    }
+    return team == 1 ? crc[0] : frk_crc32c_combine(crc[0], crc[1], len - half);
+}
+#endif
+
 uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len)
 {
     if (len < COPY_SPLIT_MIN)
         return copy_crc_one(dst, src, len);
+#ifdef _OPENMP
+    if (atomic_load(&copy_openmp))
+        return copy_crc_openmp(dst, src, len);
+#endif
     size_t half = len / 2 / 4096 * 4096; /* the second half starts on a page */
     copy_job tail = {(uint8_t *)dst + half, (const uint8_t *)src + half, len - half, 0};
     pthread_t t;

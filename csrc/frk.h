@@ -54,6 +54,9 @@ uint32_t frk_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
  * checksummed while it is still in cache; from 2 MiB on, split over two threads. Safe to call
  * without the GIL. */
 uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len);
+/* From now on, the split copy runs as an OpenMP team (on) or on a thread of its own (off, the
+ * default); returns whether OpenMP is used: never where the core was built without it. */
+int frk_copy_use_openmp(int on);
 
 /* ---- value tree ---------------------------------------------------------- */
 

@@ -1003,6 +1003,14 @@ static PyObject *core_skip_plan(PyObject *Py_UNUSED(m), PyObject *args)
     return Py_BuildValue("LL", (long long)e, (long long)i);
 }
 
+static PyObject *core_copy_use_openmp(PyObject *Py_UNUSED(m), PyObject *v)
+{
+    int on = PyObject_IsTrue(v);
+    if (on < 0)
+        return NULL;
+    return PyBool_FromLong(frk_copy_use_openmp(on));
+}
+
 static PyObject *core_dtype_size(PyObject *Py_UNUSED(m), PyObject *v)
 {
     long c = PyLong_AsLong(v);
@@ -1018,6 +1026,10 @@ static PyMethodDef core_methods[] = {
      "copy_crc32c($module, dst, src, /)\n--\n\n"
      "Copy src's bytes into dst (the same size, not overlapping), with the GIL released; returns\n"
      "their CRC32C, taken while they were copied."},
+    {"copy_use_openmp", core_copy_use_openmp, METH_O,
+     "copy_use_openmp($module, on, /)\n--\n\n"
+     "Whether copy_crc32c splits big copies over an OpenMP team (on) or a thread of its own;\n"
+     "returns whether OpenMP is used (False where the core was built without it)."},
     {"has_magic", core_has_magic, METH_O,
      "has_magic($module, head, /)\n--\n\nTrue if head starts with this format's magic bytes."},
     {"skip_plan", core_skip_plan, METH_VARARGS,

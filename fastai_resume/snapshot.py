@@ -18,7 +18,9 @@ Where a background save's cost went (bench/overhead.py's model, 230 MB of state,
   (csrc/crc32c.c): 205 MB in 15 ms against 19-20 ms for torch's own copy on the same 2 threads, and
   22-23 ms inside the fit (27 ms before). What is left between those two is torch's OpenMP worker,
   which spins on a core for several milliseconds after each parallel region: with
-  `OMP_WAIT_POLICY=passive` the copy takes its 15 ms inside the fit too;
+  `OMP_WAIT_POLICY=passive` the copy takes its 15 ms inside the fit too. The copy now runs as an
+  OpenMP team on torch's own runtime where there is one (`COPY_ON_OPENMP`): the spinning worker
+  takes its half at once, 16-17 ms inside the fit;
 - the O_DIRECT write itself: from buffers in 4 KB pages (shared anonymous memory before, which
   transparent huge pages never back here) the virtual disk got ~230-330 requests of under 1 MB
   per 230 MB, each completed by an interrupt on a core training runs on; a loop of matrix
@@ -42,6 +44,28 @@ import torch
 from . import _core, io
 
 __all__ = ["SnapshotPool", "snapshot", "BackgroundCommit"]
+
+
+def _openmp_is_torchs() -> bool:
+    """Whether the OpenMP runtime the core is linked to (`libgomp.so.1`, resolved by that name) is
+    the one torch runs its threads on, its own `torch/lib/libgomp.so.1`: then the split copy's
+    OpenMP team (`_core.copy_use_openmp`) gets a worker of torch's pool, which spins on its core
+    after each step and takes the copy at once. Otherwise (torch on a runtime bundled under another
+    name, or Intel's) a team would start threads of its own that spin after the copy: the copy then
+    keeps its own thread. (Libraries that bundle their own renamed copy, as scikit-learn does, run
+    apart and do not matter.)"""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    torchs = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))
+    try:
+        with open("/proc/self/maps") as f:
+            named = {os.path.realpath(ln.split()[-1]) for ln in f if ln.rstrip().endswith("/libgomp.so.1")}
+    except OSError:
+        return False
+    return named == {torchs}
+
+
+COPY_ON_OPENMP = _core.copy_use_openmp(_openmp_is_torchs())  # False: the copy's own second thread
 
 
 class SnapshotPool:

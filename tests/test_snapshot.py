@@ -172,6 +172,26 @@ def test_copy_crc32c_copies_and_checksums_and_refuses_what_it_cannot_do():
         _core.copy_crc32c(b"read-only", b"read-only")
 
 
+def test_the_split_copy_runs_on_torchs_openmp_runtime_and_copies_the_same_either_way():
+    import fastai.data.all  # noqa: F401  (brings scikit-learn's own renamed libgomp in: it runs apart)
+
+    from fastai_resume import _core, snapshot
+
+    # this venv's torch runs on its libgomp.so.1, and the core, built with OpenMP, resolves to it
+    assert snapshot.COPY_ON_OPENMP and snapshot._openmp_is_torchs()
+    maps = open("/proc/self/maps").read()
+    assert len({ln.split()[-1] for ln in maps.splitlines() if ln.endswith("/libgomp.so.1")}) == 1
+    try:
+        for openmp in (True, False):
+            assert _core.copy_use_openmp(openmp) is openmp
+            for n in ((2 << 20) - 1, 2 << 20, (2 << 20) + 1, (16 << 20) + 4099):
+                src = np.random.default_rng(n).integers(0, 256, n + 3, dtype=np.uint8)[3:]  # off a line
+                dst = np.zeros(n + 1, dtype=np.uint8)[1:]
+                assert _core.copy_crc32c(dst, src) == _core.crc32c(src) and np.array_equal(dst, src)
+    finally:
+        _core.copy_use_openmp(snapshot.COPY_ON_OPENMP)
+
+
 def _huge_kb_of(addr: int) -> int:
     "AnonHugePages of the mapping that holds `addr`, in kB (from /proc/self/smaps)."
     with open("/proc/self/smaps") as f:
