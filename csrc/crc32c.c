@@ -316,11 +316,19 @@ static void *copy_crc_thread(void *arg)
 #ifdef _OPENMP
 /* Whether the split copy runs on OpenMP's threads (frk_copy_use_openmp). */
 static atomic_int copy_openmp;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+/* libgomp has no fork handler: a forked child's first parallel region would wait for the parent's
+ * pool threads, which the child does not have. A child's copies take a thread of their own. */
+static void copy_openmp_off(void) { atomic_store(&copy_openmp, 0); }
+
+static void register_atfork(void) { pthread_atfork(NULL, NULL, copy_openmp_off); }
 #endif
 
 int frk_copy_use_openmp(int on)
 {
 #ifdef _OPENMP
+    pthread_once(&atfork_once, register_atfork);
     atomic_store(&copy_openmp, on != 0);
     return on != 0;
 #else
@@ -330,22 +338,25 @@ int frk_copy_use_openmp(int on)
 }
 
 #ifdef _OPENMP
-/* The split copy as an OpenMP team of two: where the process's only OpenMP runtime is the one
- * torch's own threads come from, the second half goes to a worker of torch's pool, which after
- * each parallel region of a training step spins for milliseconds waiting for the next one, and
- * takes this region at once. A thread of our own shared that core with the spinning worker: 205 MB
- * in 22-25 ms inside a fit against 16-17 ms this way. */
+/* The split copy on an OpenMP team: where the core's OpenMP runtime is the one torch's own
+ * threads come from, the second half goes to a worker of torch's pool, which after each parallel
+ * region of a training step spins for milliseconds waiting for the next one, and takes this region
+ * at once. A thread of our own shared that core with the spinning worker: 205 MB in 22-25 ms inside
+ * a fit against 16-17 ms this way. The team is the pool's own size (no num_threads clause: a
+ * smaller team makes libgomp end the pool's threads left over, which torch avoids for that reason,
+ * pytorch#32008); threads 0 and 1 copy, any others pass. */
 static uint32_t copy_crc_openmp(void *dst, const void *src, size_t len)
 {
     size_t half = len / 2 / 4096 * 4096;
     uint32_t crc[2] = {0, 0};
     int team = 1;
-#pragma omp parallel num_threads(2)
+#pragma omp parallel
     {
-        if (omp_get_thread_num() == 0) {
+        int id = omp_get_thread_num();
+        if (id == 0) {
             team = omp_get_num_threads();
             crc[0] = copy_crc_one(dst, src, team == 1 ? len : half);
-        } else {
+        } else if (id == 1) {
             crc[1] = copy_crc_one((uint8_t *)dst + half, (const uint8_t *)src + half, len - half);
         }
     }
@@ -358,7 +369,8 @@ uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len)
     if (len < COPY_SPLIT_MIN)
         return copy_crc_one(dst, src, len);
 #ifdef _OPENMP
-    if (atomic_load(&copy_openmp))
+    /* torch's pool has a second thread (its setting: one thread means no pool to share) */
+    if (atomic_load(&copy_openmp) && omp_get_max_threads() >= 2 && !omp_in_parallel())
         return copy_crc_openmp(dst, src, len);
 #endif
     size_t half = len / 2 / 4096 * 4096; /* the second half starts on a page */

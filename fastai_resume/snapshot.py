@@ -179,14 +179,27 @@ def _page_storage(n: int):
     system's setting is `madvise` or `always`): an O_DIRECT write of 230 MB from 4 KB pages went out
     as ~230-330 requests of under 1 MB (the device's limit on segments per request), each an
     interrupt on the cores training runs on; from huge pages as 4 MB requests, with 2-3 interrupts,
-    and training lost 4 ms instead of 20-26 ms to the write (the matmul loop in issue 13's note)."""
-    if not huge_pages or n < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return torch.frombuffer(m, dtype=torch.uint8).untyped_storage()
-    m = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    skip = -torch.frombuffer(m, dtype=torch.uint8).data_ptr() % _HUGE
-    m.madvise(mmap.MADV_HUGEPAGE, skip, n + _HUGE - skip)
+    and training lost 4 ms instead of 20-26 ms to the write (the matmul loop in issue 13's note).
+
+    The mapping is not inherited by forked processes (`MADV_DONTFORK`): fastai forks its DataLoader
+    workers at every epoch and validation; private memory shared with them would be copied on the
+    next save's write, a fault per page on the training thread, and its huge pages split."""
+    huge = huge_pages and n >= _HUGE
+    m = mmap.mmap(-1, n + _HUGE if huge else n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    skip = -torch.frombuffer(m, dtype=torch.uint8).data_ptr() % _HUGE if huge else 0
+    _advise(m, "MADV_DONTFORK")
+    if huge:
+        _advise(m, "MADV_HUGEPAGE", skip, n + _HUGE - skip)
     return torch.frombuffer(m, dtype=torch.uint8, offset=skip, count=n).untyped_storage()
+
+
+def _advise(m: mmap.mmap, name: str, *where: int) -> None:
+    "madvise, where this Python and this kernel have it (a kernel without THP refuses MADV_HUGEPAGE)."
+    if hasattr(mmap, name):
+        try:
+            m.madvise(getattr(mmap, name), *where)
+        except OSError:
+            pass
 
 
 def snapshot(tree: Any) -> Any:

@@ -136,7 +136,9 @@ def _as_tensor(rec, name: str, items: list, convert: Callable[[list], Any]) -> A
     are converted now, the previous tensor extended with them (a copy at memory speed), once the
     list is checked to begin with the very objects converted then (identity, at C speed: a
     replaced, removed or inserted entry, or a new list, converts it all again). Floats are
-    immutable; fastai's loss entries are new tensors per batch, never changed afterwards."""
+    immutable; fastai's loss entries are new tensors per batch, never changed afterwards (a loss
+    tensor changed in place after a save keeps, in later saves, the value it had then: the README's
+    Limits say so)."""
     seen, done = _HISTORY.setdefault(rec, {}).get(name, ((), None))
     n = len(seen)
     if done is None or len(items) < n or not all(map(operator.is_, items, seen)):
@@ -148,16 +150,20 @@ def _as_tensor(rec, name: str, items: list, convert: Callable[[list], Any]) -> A
             _HISTORY[rec].pop(name, None)
             return items
         done = new if done is None else torch.cat([done, new.to(done.device)])
-    if done is None:
+    if done is None:  # an empty list (a new fit's): nothing kept from the last one
+        _HISTORY[rec].pop(name, None)
         return items
     _HISTORY[rec][name] = (list(items), done)
     return done
 
 
 def _stack_losses(items: list) -> torch.Tensor | None:
-    if all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in items):
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in items):
+        return None
+    try:
         return torch.stack(items)
-    return None
+    except RuntimeError:  # on several devices (restored on the CPU, then trained on a GPU)
+        return torch.stack([x.cpu() for x in items])
 
 
 def _float_tensor(items: list) -> torch.Tensor | None:

@@ -4,14 +4,16 @@ Most tests run `tests/trainer.py` or `tests/workloads.py` as new processes (a re
 dies by SIGKILL, the rerun) and a new interpreter spends ~4 s of CPU importing torch, fastai and
 scikit-learn before its first batch. A server here imports them once; for each run it forks, and the
 child becomes what `python SCRIPT ARGS` would have been: the script runs as `__main__` with its
-`sys.argv` and `sys.path[0]`, in the caller's folder and environment, with its output in the caller's
-files; it ends the way an interpreter ends (atexit, non-daemon threads joined, exit status, a death
-by signal seen as one). The package itself is never imported by a server: each run imports it, and
+`sys.argv` and `sys.path[0]`, in the caller's folder and environment, its output in pipes the caller
+reads to their end (as `subprocess.run` does: processes the run left behind, such as DataLoader
+workers of a killed run, hold them until they exit); it ends the way an interpreter ends (atexit,
+non-daemon threads joined, exit status, a death by signal seen as one). The package itself is never imported by a server: each run imports it, and
 patches fastai, as a user's script does.
 
 What a fork cannot give a run, it is given another way or the run gets a new interpreter:
 - the hash seed: fixed when an interpreter starts, so each caller keeps two servers (two random
-  seeds) and alternates them: a killed run and its rerun never iterate sets of strings in one order;
+  seeds) and alternates them: a killed run and the rerun right after it never iterate sets of
+  strings in one order (tests that run something between them order their runs for that);
 - the RNGs seeded at import (`random`, numpy's global one): reseeded from the OS in the child;
 - the environment: variables read at import time (OMP_NUM_THREADS, PYTHONWARNINGS) must be the
   run's when torch is imported, so each environment has its own servers, started with it;
@@ -136,31 +138,43 @@ class Server:
             raise
 
     def _run(self, argv, cwd, env, timeout):
-        import tempfile
+        import threading
 
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            _send(self.sock, {"argv": argv, "cwd": cwd, "env": env}, [out.fileno(), err.fileno()])
+        pipes = [os.pipe(), os.pipe()]  # stdout, stderr: read here until every holder closes them
+        try:
+            _send(self.sock, {"argv": argv, "cwd": cwd, "env": env}, [w for _, w in pipes])
+        finally:
+            for _, w in pipes:
+                os.close(w)
+        chunks = [[], []]
+
+        def drain(i):
+            with open(pipes[i][0], "rb", closefd=True) as f:
+                chunks[i].extend(iter(lambda: f.read(65536), b""))
+
+        readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(2)]
+        for t in readers:
+            t.start()
+        msg, _ = _recv(self.sock)
+        if msg is None or "error" in msg:
+            raise RuntimeError(f"fork server: {msg}")
+        pid = msg["pid"]
+        self.sock.settimeout(timeout)
+        try:
             msg, _ = _recv(self.sock)
-            if msg is None or "error" in msg:
-                raise RuntimeError(f"fork server: {msg}")
-            pid = msg["pid"]
-            self.sock.settimeout(timeout)
-            try:
-                msg, _ = _recv(self.sock)
-            except TimeoutError:
-                os.kill(pid, 9)
-                self.sock.settimeout(None)
-                _recv(self.sock)
-                raise subprocess.TimeoutExpired(argv, timeout) from None
-            finally:
-                self.sock.settimeout(None)
-            if msg is None:
-                raise RuntimeError("fork server: the server died")
-            texts = []
-            for f in (out, err):
-                f.seek(0)
-                texts.append(f.read().decode(errors="replace").replace("\r\n", "\n"))
-        return subprocess.CompletedProcess(argv, msg["returncode"], *texts)
+        except TimeoutError:
+            os.kill(pid, 9)
+            self.sock.settimeout(None)
+            _recv(self.sock)
+            raise subprocess.TimeoutExpired(argv, timeout) from None
+        finally:
+            self.sock.settimeout(None)
+        if msg is None:
+            raise RuntimeError("fork server: the server died")
+        for t in readers:  # as subprocess.run: until the output's end (a process the run left may hold it)
+            t.join()
+        out, err = (b"".join(c).decode(errors="replace").replace("\r\n", "\n") for c in chunks)
+        return subprocess.CompletedProcess(argv, msg["returncode"], out, err)
 
 
 class Pool:

@@ -60,3 +60,17 @@ def test_fresh_mode_runs_a_new_interpreter(tmp_path, monkeypatch):
     monkeypatch.setenv("FRK_TEST_FRESH", "1")
     p = FORKS.run([sys.executable, str(script)], ENV, 120, tmp_path)
     assert p.stdout.split() == [str(os.getpid()), "False"]
+
+
+def test_a_runs_output_is_read_until_the_processes_it_left_close_it(tmp_path):
+    "As subprocess.run: a child process the run forked and left behind still writes to its output."
+    script = tmp_path / "leaves.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(0.5); print('from the process left behind', flush=True); os._exit(0)\n"
+        "print('from the run', flush=True); os.kill(os.getpid(), 9)\n"
+    )
+    p = FORKS.run([sys.executable, str(script)], ENV, 120, tmp_path)
+    assert p.returncode == -signal.SIGKILL
+    assert p.stdout.splitlines() == ["from the run", "from the process left behind"]

@@ -198,11 +198,11 @@ def crash_then_resume(path, control, tracker):
     run_script(path, tracker, "--save-at", save, "--die-at", die, expect_kill=True)
     assert (path / "models" / "crash.frk").exists()
     shutil.copytree(path, control, dirs_exist_ok=True)
+    run_script(path, tracker, "--resume", "crash")  # right after the killed run: another hash seed
     # TensorBoard's default log dir is named by the second a run starts: a restarted job starts later
     # than its killed run did (here a forked interpreter could start within that second)
     time.sleep(1.0)
     run_script(control, tracker, "--resume", "crash", "--without-tracker-state")
-    run_script(path, tracker, "--resume", "crash")
 
 
 def runs_of(tracker, tmp_path_factory):
