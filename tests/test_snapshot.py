@@ -1,6 +1,7 @@
 """Background saves copy everything mutable at the batch boundary: what training changes after the
 snapshot is taken never reaches the file, which holds the old values and verifies."""
 
+import os
 import threading
 
 import numpy as np
@@ -192,18 +193,22 @@ def test_the_split_copy_runs_on_torchs_openmp_runtime_and_copies_the_same_either
         _core.copy_use_openmp(snapshot.COPY_ON_OPENMP)
 
 
-def _huge_kb_of(addr: int) -> int:
-    "AnonHugePages of the mapping that holds `addr`, in kB (from /proc/self/smaps)."
+def _mapping_of(addr: int) -> dict:
+    "The /proc/self/smaps fields of the mapping that holds `addr` (VmFlags as a set)."
     with open("/proc/self/smaps") as f:
-        inside = False
+        fields = None
         for line in f:
             head = line.split()[0]
             if "-" in head and ":" not in head:
+                if fields is not None:
+                    break
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    raise AssertionError("no mapping holds the buffer")
+                fields = {} if lo <= addr < hi else None
+            elif fields is not None:
+                fields[head.rstrip(":")] = line.split()[1:]
+    assert fields is not None, "no mapping holds the buffer"
+    fields["VmFlags"] = set(fields.get("VmFlags", []))
+    return fields
 
 
 def test_big_snapshot_buffers_start_on_a_huge_page_and_are_offered_to_transparent_huge_pages(tmp_path):
@@ -212,24 +217,24 @@ def test_big_snapshot_buffers_start_on_a_huge_page_and_are_offered_to_transparen
     n = (48 << 20) + 4097  # not a multiple of a page
     st = snapshot._page_storage(n)
     assert st.nbytes() == n and st.data_ptr() % snapshot._HUGE == 0
-    t = torch.empty(0, dtype=torch.uint8).set_(st)
-    t.fill_(7)  # touched: the kernel backs the madvised range with huge pages where it can
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read().split("[")[1].split("]")[0]
-    except OSError:
-        thp = "never"
-    if thp != "never":  # 'madvise' here; 'always' elsewhere
-        assert _huge_kb_of(st.data_ptr()) >= 40 << 10
+    torch.empty(0, dtype=torch.uint8).set_(st).fill_(7)
+    # madvised for huge pages (hg; the kernel backs them where it can: AnonHugePages) and not
+    # inherited by forked processes, such as fastai's DataLoader workers (dc)
+    assert {"hg", "dc"} <= _mapping_of(st.data_ptr())["VmFlags"]
     snapshot.huge_pages = False
     try:
         small = snapshot._page_storage(n)
         torch.empty(0, dtype=torch.uint8).set_(small).fill_(1)
         assert small.data_ptr() % 4096 == 0 and small.nbytes() == n
-        if thp == "madvise":  # (with 'always' every big mapping gets huge pages)
-            assert _huge_kb_of(small.data_ptr()) == 0
+        flags = _mapping_of(small.data_ptr())["VmFlags"]
+        assert "dc" in flags and "hg" not in flags
     finally:
         snapshot.huge_pages = True
+    pid = os.fork()  # a forked child does not see the buffer; the parent's stays as it was
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert int(torch.empty(0, dtype=torch.uint8).set_(st).sum()) == 7 * n
     # a background save from such a buffer: the file holds its bytes and verifies
     tree = {"model": {"w": torch.arange(n // 4, dtype=torch.float32)}}
     BackgroundCommit(tree, tmp_path / "h.frk").wait()
