@@ -78,12 +78,16 @@ def load_tensorboard(cb, tree: dict) -> None:
         return
     fresh = getattr(getattr(getattr(old, "file_writer", None), "event_writer", None), "_file_name", None)
     old.close()
-    if cb.log_dir is None and os.path.abspath(old.log_dir) != os.path.abspath(log_dir) and fresh is not None:
+    if cb.log_dir is None and fresh is not None:
+        # the event file this process's before_fit just opened: the run goes on in the saved dir. (A
+        # rerun that starts in the same second as the crashed run did gets the same default name,
+        # and its file would sit beside the crashed run's as a third one.)
         os.remove(fresh)
-        try:
-            os.rmdir(old.log_dir)
-        except OSError:
-            pass  # not empty: something else of the user's is in it
+        if os.path.abspath(old.log_dir) != os.path.abspath(log_dir):
+            try:
+                os.rmdir(old.log_dir)
+            except OSError:
+                pass  # not empty: something else of the user's is in it
     cb.writer = SummaryWriter(log_dir=log_dir, purge_step=tree["step"] + 1)
 
 

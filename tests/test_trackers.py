@@ -435,3 +435,24 @@ def test_wandb_offline_resumed_run_is_the_same_run_id(wandb_offline_runs):
 
 if __name__ == "__main__":
     main()
+
+
+def test_a_rerun_whose_default_tensorboard_dir_is_the_crashed_runs_leaves_one_file_of_its_own(tmp_path):
+    "fastai names its default log dir by the second a fit starts: a rerun may get the crashed run's."
+    pytest.importorskip("tensorboard")
+    from fastai.callback.tensorboard import TensorBoardCallback
+    from torch.utils.tensorboard import SummaryWriter
+
+    from fastai_resume import trackers
+
+    d = tmp_path / "runs" / "Dec04_19-32-20_vm"
+    crashed = SummaryWriter(log_dir=str(d))
+    crashed.add_scalar("train_loss", 1.0, 1)
+    crashed.close()
+    cb = TensorBoardCallback(trace_model=False, log_preds=False)  # log_dir=None: fastai's default
+    cb.run, cb.writer = True, SummaryWriter(log_dir=str(d))  # what its before_fit opened, same name
+    trackers.load_tensorboard(cb, {"log_dir": str(d), "step": 1})
+    cb.writer.add_scalar("train_loss", 2.0, 2)
+    cb.writer.close()
+    assert len(glob.glob(str(d / "events.out.tfevents.*"))) == 2  # the crashed run's and the rerun's
+    assert tensorboard_scalars(d)["train_loss"] == [(1, 1.0), (2, 2.0)]
