@@ -4,6 +4,7 @@ preemption (SIGTERM). One callback; run the same script again after a crash and 
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import functools
@@ -182,27 +183,43 @@ class AutoCheckpoint(Callback):
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f".{self.fname}-{self.run_id}.lock"
-        f = open(path, "a+")
-        try:  # a POSIX record lock: the process's own (DataLoader workers forked from it do not hold it)
-            fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
+        for _ in range(10):
+            f = open(path, "a+")
+            try:  # a POSIX record lock: the process's own (DataLoader workers forked from it do not hold it)
+                fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                f.close()
+                raise RuntimeError(
+                    f"AutoCheckpoint: {holder} is already training this run into {self.folder} (lock "
+                    f"{path.name}); two processes writing one run's checkpoints would delete each "
+                    "other's files. Stop the other one, or give this one another fname or path."
+                ) from None
+            try:  # the file a process ending just now unlinked is not the lock any more: take the new one
+                same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             f.close()
-            raise RuntimeError(
-                f"AutoCheckpoint: {holder} is already training this run into {self.folder} (lock "
-                f"{path.name}); two processes writing one run's checkpoints would delete each "
-                "other's files. Stop the other one, or give this one another fname or path."
-            ) from None
+        else:
+            raise RuntimeError(f"AutoCheckpoint: could not take the lock {path}: it keeps being replaced")
         f.truncate(0)
         f.write(f"process {os.getpid()}")
         f.flush()
-        self._lock = f
+        self._lock = (f, path)
+        atexit.register(self._release_lock)  # the script has ended: no lock file is left behind
 
     def _release_lock(self):
         if self._lock is not None:
-            self._lock.close()
+            f, path = self._lock
             self._lock = None
+            try:  # unlinked while still held: nobody can take the old file in between
+                os.unlink(path)
+            except OSError:
+                pass
+            f.close()
 
     def _remove_dead_temps(self):
         "Temporary files of this run's saves whose process is gone (killed mid-save): never valid."
@@ -239,6 +256,7 @@ class AutoCheckpoint(Callback):
             p, run.attempt = dist.broadcast((None if p is None else str(p), run.attempt))
             p = None if p is None else Path(p)
         self.attempt = run.attempt
+        stage.saved_in(self.folder, f"{self.fname}-{self.run_id}-g{self.attempt:03d}", auto=True)
         run.resumed = True
         if p is None:
             return
@@ -449,9 +467,19 @@ class AutoCheckpoint(Callback):
         except OSError as e:
             return [f"AutoCheckpoint: could not list {folder} to remove old checkpoints: {e}"]
         failed = []
-        for old in stale:
+        for old in stale + self._stale_ends(folder, stale):
             try:
                 old.unlink()
             except OSError as e:
                 failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
         return failed
+
+    def _stale_ends(self, folder: Path, removed: list) -> list:
+        """This run's stage-end files (`between`) of attempts none of whose checkpoints is kept: no checkpoint
+        that will be resumed names them. Those of the current attempt stay while it runs."""
+        end = re.compile(re.escape(f"{self.fname}-{self.run_id}-") + r"g(\d{3})-s\d{3}-end" + re.escape(io.EXT) + "$")
+        pat, gone = self._pattern(), set(removed)
+        kept = {pat.match(p.name)[1] for p in self._files(folder) if p not in gone}
+        if self.attempt is not None:
+            kept.add(f"{self.attempt:03d}")
+        return sorted(p for p in folder.iterdir() if (m := end.match(p.name)) and m[1] not in kept)

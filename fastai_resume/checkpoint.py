@@ -295,6 +295,38 @@ def _rank_part(v, where):
         _seq(m["hidden"], f"{where}.modules[{name!r}].hidden")
 
 
+def _script(v, where):
+    "What a checkpoint carries of its script (`between.script_tree`): the stage ends before it and the log."
+    v = _dict(v, where, ("ends", "log"))
+    for i, e in enumerate(_seq(v["ends"], f"{where}.ends")):
+        if e is not None:
+            e = _dict(e, f"{where}.ends[{i}]", ("file", "token"))
+            _need(isinstance(e["file"], str), f"{where}.ends[{i}].file", "expected a str")
+            _int(e["token"], f"{where}.ends[{i}].token")
+    for i, ev in enumerate(_seq(v["log"], f"{where}.log")):
+        ev = _dict(ev, f"{where}.log[{i}]", ("at", "op", "file", "crc"))
+        _int(ev["at"], f"{where}.log[{i}].at")
+        _need(isinstance(ev["op"], str), f"{where}.log[{i}].op", "expected a str")
+        _need(ev["file"] is None or isinstance(ev["file"], str), f"{where}.log[{i}].file", "expected a str or None")
+        _need(ev["crc"] is None or isinstance(ev["crc"], int), f"{where}.log[{i}].crc", "expected an int or None")
+
+
+def _public(check):
+    "A validator of one part, raising `CheckpointError` (used by the stage ends' validation)."
+
+    def validate(v, where: str) -> None:
+        try:
+            check(v, where)
+        except _Bad as e:
+            raise CheckpointError(f"malformed training state: {e}") from None
+
+    return validate
+
+
+validate_rng, validate_loader, validate_recorder = _public(_rng), _public(_loader), _public(_recorder)
+validate_script = _public(_script)
+
+
 _POSITION_INTS = ("epoch", "iter", "n_epoch", "n_iter", "fit_index", "stage", "train_iter", "world_size", "n_iter_all")
 
 
@@ -356,6 +388,8 @@ def validate_train(train) -> None:
         _dict(t["callbacks"], "train.callbacks")
     except _Bad as e:
         raise CheckpointError(f"malformed training state: {e}") from None
+    if t.get("script") is not None:
+        validate_script(t["script"], "train.script")
 
 
 def read(path: Path) -> dict:
@@ -386,6 +420,40 @@ def read(path: Path) -> dict:
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
     return tree
+
+
+def load_tree(learn, path, tree, device, with_opt, strict):
+    "Model and optimizer from a validated tree; nothing is changed unless everything fits."
+    from fastai.torch_core import get_model, to_device
+
+    model = get_model(learn.model)
+    bad = model_mismatch(model.state_dict(), tree["model"], strict)
+    if bad:
+        raise CheckpointError(f"{path} does not fit this learner's model: {bad}")
+    bad = strict and grads_mismatch(tree.get("train") or {}, len(list(learn.model.parameters())))
+    if bad:  # (strict=False: checked when a resume restores them)
+        raise CheckpointError(f"{path}: malformed training state: {bad}")
+    prev_opt = None
+    if with_opt and "opt" in tree:
+        bad = opt_mismatch(learn.opt, tree["opt"])
+        if bad:
+            raise CheckpointError(f"{path}: its optimizer state does not fit this learner's optimizer: {bad}")
+        opt_sd = to_device(tree["opt"], device) if device is not None and str(device) != "cpu" else tree["opt"]
+        prev_opt = learn.opt.state_dict()
+        try:
+            learn.opt.load_state_dict(opt_sd)
+        except (AssertionError, KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:
+            learn.opt.load_state_dict(prev_opt)
+            raise CheckpointError(
+                f"{path}: its optimizer state does not fit this learner's optimizer "
+                f"(different parameter groups?): {e!r}"
+            ) from None
+    try:
+        model.load_state_dict(tree["model"], strict=strict)
+    except RuntimeError as e:  # checked above; kept for what torch checks beyond keys, dtypes and shapes
+        if prev_opt is not None:
+            learn.opt.load_state_dict(prev_opt)
+        raise CheckpointError(f"{path} does not fit this learner's model: {e}") from None
 
 
 def grads_mismatch(train: dict, n_params: int) -> str:
@@ -439,3 +507,13 @@ def opt_mismatch(opt, saved: dict) -> str:
                 if not isinstance(v, (torch.Tensor, int, float, bool, type(None))):
                     return f"state[{i}][{k!r}] is a {type(v).__name__}"
     return ""
+
+
+def rank_view(saved: dict) -> dict:
+    """The saved training state as this rank sees it: its own RNG, loader and Recorder state from
+    `ranks` (`fit` uses no saved state at all when the world size differs)."""
+    ranks = saved.get("ranks")
+    if not ranks or dist.rank() >= len(ranks):
+        return saved
+    mine = ranks[dist.rank()]
+    return saved if mine is None else {**saved, **mine}

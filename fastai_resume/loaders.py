@@ -210,6 +210,7 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
     discards k batches, then calls `on_skipped` itself."""
     cut = k
     how = "index list" if is_fastai(dl) else "batch sampler"
+    sized = is_fastai(dl) and unwrap_dl(dl).n is not None  # a fastai stream of a fixed length per epoch (`n=`)
     if is_stream(dl):
         if not has_state(dl):
             if not fast_forward:
@@ -223,7 +224,9 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
                     "read and discard the skipped batches; or fit with start_iter=0 to restart the epoch."
                 )
             return "fast-forward"
-        cut, how = 0, "stream state"
+        # the stream continues from its loaded state: nothing of it is re-read; an epoch of `n` items
+        # still has only its remaining batches to run
+        cut, how = (k, "stream state, remaining batches") if sized else (0, "stream state")
     if is_fastai(dl):
         get_idxs = dl.get_idxs
         bs = dl.bs or 1
@@ -234,7 +237,10 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
                 dl.i = cut * bs  # its count of this rank's items
             idxs = get_idxs()
             if not isinstance(idxs, list):
-                return _HookedIter(idxs, on_skipped)  # a stream of unknown length
+                if not dl.indexed and dl.n is None:
+                    return _HookedIter(idxs, on_skipped)  # a stream of unknown length
+                # an epoch's order as an iterator (SortedDL's shuffle_fn returns one): the same order, cut
+                idxs = list(idxs)
             # (`whole`: the epoch's data was all read, the partial batch drop_last discards too, before the save)
             return _SkippedIdxs([] if whole else idxs[cut * bs :] if cut else idxs, on_skipped)
 

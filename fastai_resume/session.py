@@ -20,7 +20,6 @@ import inspect
 import os
 import sys
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +28,22 @@ import numpy as np
 import torch
 from fastai.callback.core import Callback
 
-from . import _core, check, checkpoint, dist, loaders, state
+from . import _core, between, check, checkpoint, dist, loaders, state
 from .io import CheckpointError
+from .script import Armed, AutosaveRun, Interrupted, Script, script, session_of
 
-__all__ = ["Script", "Armed", "Stage", "FitPlan", "ResumeSession", "script", "session_of", "InBatchSave"]
+__all__ = [
+    "Script",
+    "Armed",
+    "Stage",
+    "FitPlan",
+    "ResumeSession",
+    "script",
+    "session_of",
+    "InBatchSave",
+    "AutosaveRun",
+    "Interrupted",
+]
 
 _IN_BATCH = {
     "before_batch",
@@ -50,77 +61,6 @@ _IN_BATCH = {
 
 class InBatchSave(ValueError):
     "A resumable save asked for inside a training batch, where no position is exact."
-
-
-@dataclass
-class Armed:
-    "A resume armed by `learn.load` of a checkpoint saved mid-fit; the next matching fit consumes it."
-
-    train: dict
-    path: Path
-    opt: dict | None
-    fast_forward: bool = False
-
-    @property
-    def position(self) -> dict:
-        return self.train["position"]
-
-
-@dataclass
-class Interrupted:
-    stage: int
-    epoch: int
-    iter: int
-
-
-class AutosaveRun:
-    """What one AutoCheckpoint run has done in this process: whether it has autoresumed (once per process,
-    again after an interrupted fit) and the attempt number its files carry."""
-
-    def __init__(self):
-        self.resumed = False
-        self.attempt: int | None = None
-
-
-class Script:
-    "What fastai_resume knows about one Learner's training script (kept outside the Learner)."
-
-    def __init__(self):
-        self.armed: Armed | None = None
-        self.signatures: list = []  # of the stages finished in this process
-        self.stage: Stage | None = None  # the top-level call in progress
-        self.session: ResumeSession | None = None  # the fit in progress
-        self.fit_depth = 0  # fits in progress (a resumable one, and any fit run inside it or by lr_find)
-        self.interrupted: Interrupted | None = None
-        # AutoCheckpoint runs of this script, by (folder, fname, run id): shared by every instance of
-        # one run (a new AutoCheckpoint passed to each fit call is the same run, its files named alike).
-        self.autosave_runs: dict = {}
-
-    def autosave_run(self, key) -> AutosaveRun:
-        run = self.autosave_runs.get(key)
-        if run is None:
-            run = self.autosave_runs[key] = AutosaveRun()
-        return run
-
-    def disarm(self, why: str | None = None) -> None:
-        if self.armed is not None and why:
-            print(f"fastai_resume: {why}: the resume armed from {self.armed.path} is cancelled")
-        self.armed = None
-
-
-_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def script(learn) -> Script:
-    s = _scripts.get(learn)
-    if s is None:
-        s = _scripts[learn] = Script()
-    return s
-
-
-def session_of(learn):
-    s = _scripts.get(learn)
-    return None if s is None else s.session
 
 
 def _arg_repr(v) -> str:
@@ -161,6 +101,19 @@ class Stage:
         self.extra_cbs: list = []  # the call's own callbacks (`cbs=`), which may hold an AutoCheckpoint
         self.skip_all = False  # finished before the armed checkpoint was saved
         self.rng_start = state.rng_state()
+        self.rows: list = []  # the printed row of every epoch of its fits
+        self.stems: list = []  # (folder, stem) of the resumable checkpoints saved in it: AutoCheckpoint's first
+
+    def end_stem(self):
+        "Where this stage's end state goes (`between`): next to its resumable checkpoints, or None (none saved)."
+        if os.environ.get(check.ENV_DIR):  # `fastai-resume check`: every stage's end, in its own folder
+            return Path(os.environ[check.ENV_DIR]), check.CKPT
+        return self.stems[0] if self.stems else None
+
+    def saved_in(self, folder, stem: str, auto: bool = False) -> None:
+        "A resumable checkpoint named `stem` is saved in `folder` during this stage."
+        if (folder, stem) not in self.stems:
+            self.stems.insert(0, (folder, stem)) if auto else self.stems.append((folder, stem))
 
     @property
     def explicit(self) -> bool:
@@ -238,10 +191,10 @@ def stage_call(learn, method: str, bound, start_epoch=0, start_iter=None, resume
         ok = True
     finally:
         sc.stage = None
-        if ok:
-            sc.signatures.append(st.signature)
-        else:
+        if not ok:
             _after_interrupt(learn, sc, st)
+    between.stage_ended(learn, sc, st)
+    sc.signatures.append(st.signature)
 
 
 def _after_interrupt(learn, sc: Script, st: Stage) -> None:
@@ -250,19 +203,6 @@ def _after_interrupt(learn, sc: Script, st: Stage) -> None:
     for c in list(learn.cbs) + list(st.extra_cbs):
         if hasattr(c, "after_interrupted_fit"):
             c.after_interrupted_fit()
-
-
-def _csv_logger_class():
-    mod = sys.modules.get("fastai.callback.progress")
-    return None if mod is None else mod.CSVLogger
-
-
-def _print_row(learn, row) -> None:
-    "Show a finished epoch's row as fastai would, but write it to no CSV file (the file has it already)."
-    logger, csv = learn.logger, _csv_logger_class()
-    while csv is not None and getattr(logger, "__func__", None) is csv._write_line:
-        logger = logger.__self__.old_logger
-    logger(row)
 
 
 @dataclass
@@ -276,6 +216,7 @@ class FitPlan:
     source: Path | None = None
     opt_state: dict | None = None
     fast_forward: bool = False
+    model_state: dict | None = None  # put back before the restore: skipped stages' end states replaced it
 
 
 class ResumeSession(Callback):
@@ -290,6 +231,7 @@ class ResumeSession(Callback):
         # `__init__` arguments as configuration, and the plan holds the Learner and whole tensors)
         self.stage, self.fit_index, self.saved, self.target = plan.stage, plan.fit_index, plan.saved, plan.target
         self.source, self.opt_state, self.fast_forward = plan.source, plan.opt_state, plan.fast_forward
+        self.model_state = plan.model_state
         self.skip = _core.SkipToIter()
         self.rows: list = []  # the printed row of every finished epoch
         self.rng_epoch = self.loaders_epoch = self.rng_valid = self.loaders_valid = None
@@ -345,7 +287,7 @@ class ResumeSession(Callback):
             self._warm_dls()  # only before a restore: a fresh fit draws as fastai does
         for dl in self.dls.loaders:
             self._seed_workers(dl)
-        csv = _csv_logger_class()
+        csv = state.csv_logger_class()
         for cb in self.learn.cbs:
             if csv is not None and isinstance(cb, csv) and getattr(cb, "file", None) is not None:
                 cb.resume_file_start = self._csv_start(cb)
@@ -355,7 +297,12 @@ class ResumeSession(Callback):
         self.skip.arm(epoch, it, self.n_epoch, len(self.dls.train))
         if self.saved is None:
             return  # a bare start_epoch / start_iter: skip, restore nothing
-        sv = self.saved = _rank_view(self.saved)
+        sv = self.saved = checkpoint.rank_view(self.saved)
+        if self.model_state is not None:
+            from fastai.torch_core import get_model
+
+            get_model(self.model).load_state_dict(self.model_state)
+            self.model_state = None
         if self.opt_state is not None:  # again: a wrapper may have cleared it (fine_tune's freeze)
             self.opt.load_state_dict(_on_training_device(self.learn, self.opt_state))
         self._restore_grads(sv)
@@ -387,28 +334,14 @@ class ResumeSession(Callback):
                 pass
 
     def _restore_grads(self, sv):
-        """Each parameter's gradient as the uninterrupted run had it: the pending ones of an accumulation,
-        else zero where it had one and none where it had none. fastai's optimizer steps every parameter
-        that has a gradient, a frozen one with a zero gradient too (its Adam moments and weight decay go
-        on), so whether a gradient exists is state: a rerun that skipped the stages that made them has
-        none. In the process itself, an interrupt between `backward` and `zero_grad` left gradients
-        that the next `backward` would add to."""
+        """The gradients as the uninterrupted run had them (`state.set_grads`): a rerun that skipped the
+        stages that made them has none; in the process itself, an interrupt between `backward` and
+        `zero_grad` left gradients that the next `backward` would add to."""
         ps = list(self.model.parameters())
         bad = checkpoint.grads_mismatch(sv, len(ps))
         if bad:
             raise CheckpointError(f"{self.source}: malformed training state: {bad}")
-        had, pending = sv.get("grad_set"), sv.get("grads")
-        for i, p in enumerate(ps):
-            has = had[i] if had is not None else p.grad is not None  # (older files: what the process has)
-            if pending is not None:
-                p.grad = None if pending[i] is None else pending[i].to(p.device, copy=True)
-            elif not has:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
+        state.set_grads(self.model, sv.get("grad_set"), sv.get("grads"))
 
     def _seed_workers(self, dl):
         if (
@@ -432,7 +365,7 @@ class ResumeSession(Callback):
             if mbar is not None:
                 mbar.update(epoch)  # fastprogress wants every epoch counted
             if epoch < len(self.rows):
-                _print_row(self.learn, self.rows[epoch])
+                state.print_row(self.learn, self.rows[epoch])
             return True
         self.resuming = action == _core.STEP_RESUME
         return False
@@ -618,6 +551,7 @@ class ResumeSession(Callback):
             "grad_set": [p.grad is not None for p in learn.model.parameters()],
             "rows": rows,
             "callbacks": state.callback_states(learn),
+            "script": between.script_tree(sc, st),
         }
 
 
@@ -635,16 +569,6 @@ def _kind(v) -> str:
 def _saved_rng(sv: dict) -> dict:
     "The RNG state the uninterrupted run continued with: at the save, or at the start of the validation it was in."
     return sv["rng"] if sv["rng_valid"] is None else sv["rng_valid"]
-
-
-def _rank_view(saved: dict) -> dict:
-    """The saved training state as this rank sees it: its own RNG, loader and Recorder state from
-    `ranks` (`fit` uses no saved state at all when the world size differs)."""
-    ranks = saved.get("ranks")
-    if not ranks or dist.rank() >= len(ranks):
-        return saved
-    mine = ranks[dist.rank()]
-    return saved if mine is None else {**saved, **mine}
 
 
 def _on_training_device(learn, tree):

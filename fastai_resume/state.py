@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import operator
 import random
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,9 @@ __all__ = [
     "RecorderLosses",
     "callback_states",
     "set_callback_states",
+    "between_stage_states",
+    "set_between_stage_states",
+    "set_grads",
     "cb_key",
 ]
 
@@ -411,3 +415,66 @@ def set_callback_states(learn, states: dict) -> None:
                 raise
             except (TypeError, KeyError, ValueError, AttributeError, IndexError, RuntimeError) as e:
                 raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)} is malformed: {e!r}") from None
+
+
+def between_stage_states(learn) -> dict:
+    """What callbacks keep from one fit to the next, as a stage ends: a user's callback's `resume_state`
+    and fastai's trackers' best value and patience. (fastai's other callbacks start every fit anew: the
+    scheduler, the grad scaler, the accumulation count; the loggers' files are closed.)"""
+    tracker = _mod("fastai.callback.tracker")
+    out = {}
+    for cb in learn.cbs:
+        if hasattr(cb, "resume_state"):
+            st = cb.resume_state()
+        elif tracker and isinstance(cb, tracker.TrackerCallback):
+            st = {k: plain(getattr(cb, k)) for k in _TRACKER_FIELDS if hasattr(cb, k)}
+        else:
+            continue
+        if st is not None:
+            out[cb_key(learn.cbs, cb)] = plain(st)
+    return out
+
+
+def set_between_stage_states(learn, states: dict) -> None:
+    tracker = _mod("fastai.callback.tracker")
+    for cb in learn.cbs:
+        st = states.get(cb_key(learn.cbs, cb))
+        if st is None:
+            continue
+        if hasattr(cb, "load_resume_state"):
+            cb.load_resume_state(st)
+        elif tracker and isinstance(cb, tracker.TrackerCallback):
+            if not isinstance(st, dict):
+                raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)}: {type(st).__name__}, expected a dict")
+            _typed(cb, st, _TRACKER_FIELDS)
+
+
+def set_grads(model, had, pending) -> None:
+    """Each parameter's gradient as the uninterrupted run had it: `pending` (those of an accumulation in
+    progress) if given, else a zero gradient where `had` says one existed and none where it did not.
+    fastai's optimizer steps every parameter that has a gradient, a frozen one with a zero gradient too
+    (its Adam moments and weight decay go on), so whether a gradient exists is state."""
+    for i, p in enumerate(model.parameters()):
+        has = had[i] if had is not None else p.grad is not None  # (older files: what the process has)
+        if pending is not None:
+            p.grad = None if pending[i] is None else pending[i].to(p.device, copy=True)
+        elif not has:
+            p.grad = None
+        elif p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.detach_()
+            p.grad.zero_()
+
+
+def csv_logger_class():
+    mod = sys.modules.get("fastai.callback.progress")
+    return None if mod is None else mod.CSVLogger
+
+
+def print_row(learn, row) -> None:
+    "Show a finished epoch's row as fastai would, but write it to no CSV file (the file has it already)."
+    logger, csv = learn.logger, csv_logger_class()
+    while csv is not None and getattr(logger, "__func__", None) is csv._write_line:
+        logger = logger.__self__.old_logger
+    logger(row)

@@ -83,15 +83,19 @@ def missing_tests(text, root=ROOT):
             yield m.group(0).strip("`")
 
 
-def _models(cwd):
-    "The checkpoint files in models/ (not AutoCheckpoint's hidden lock file)."
-    return sorted(p.name for p in (cwd / "models").iterdir() if not p.name.startswith("."))
+def _models(cwd, ends=False):
+    """The checkpoint files in models/ (not AutoCheckpoint's hidden lock file); `ends`: the stages' end
+    states (`fastai_resume.between`) instead of the checkpoints."""
+    return sorted(
+        p.name for p in (cwd / "models").iterdir() if not p.name.startswith(".") and p.name.endswith("-end.frk") == ends
+    )
 
 
 def quick_start(cwd, out):
     "AutoCheckpoint keeps the newest 3; the manual save is a valid checkpoint under models/."
-    names = _models(cwd)
+    names, ends = _models(cwd), _models(cwd, ends=True)
     assert len([n for n in names if n.startswith("auto-")]) == 3 and "ckpt.frk" in names, names
+    assert ends and all(n.startswith("auto-") for n in ends), ends  # each stage's end state, for a rerun
     for n in names:
         fr.info(cwd / "models" / n, verify=True)
 
@@ -108,6 +112,7 @@ def several_stages(cwd, out):
     "Three stages, AutoCheckpoint's newest 3 of the run, and the CSV history of every stage."
     names = [n for n in _models(cwd) if n.startswith("auto-")]
     assert len(names) == 3 and any("-s002-" in n for n in names), names
+    assert [n[-12:] for n in _models(cwd, ends=True)] == ["s000-end.frk", "s001-end.frk", "s002-end.frk"]
     assert (cwd / "history.csv").read_text().count("epoch,") >= 3
 
 

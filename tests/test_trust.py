@@ -209,13 +209,13 @@ def auto(path, lr=1e-2, epochs=2, sleep=0.0, wait=True):
 def test_autoresume_never_takes_or_deletes_another_runs_files(tmp_path):
     rc, out = auto(tmp_path, lr=1e-2)
     assert rc == 0 and "trained 92" in out
-    theirs = sorted((tmp_path / "models").glob("auto-*.frk"))
-    assert len(theirs) == 2
+    theirs = sorted((tmp_path / "models").glob("auto-*.frk"))  # two checkpoints and the stage's end state
+    assert len(theirs) == 3 and sum(p.name.endswith("-end.frk") for p in theirs) == 1
     before = {p: p.read_bytes() for p in theirs}
     rc, out = auto(tmp_path, lr=3e-3)  # the same model, another learning rate: another run
     assert rc == 0 and "AutoCheckpoint: found" not in out and "trained 92" in out
     assert all(p.read_bytes() == b for p, b in before.items())
-    assert len(list((tmp_path / "models").glob("auto-*.frk"))) == 4
+    assert len(list((tmp_path / "models").glob("auto-*.frk"))) == 6  # per run: 2 checkpoints, 1 stage end
 
 
 @pytest.mark.slow

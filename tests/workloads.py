@@ -7,10 +7,13 @@ exactness tests:
 PIPELINE: `lm` (LMDataLoader(shuffle=True) and an AWD-LSTM language model with fastai's RNN callbacks),
 `vision` (a DataBlock of images with RandomResizedCrop in 2 worker processes and aug_transforms),
 `torch` (plain PyTorch DataLoaders in fastai's DataLoaders), `stream` / `stream-nostate` (a PyTorch
-IterableDataset with / without state_dict), `tfmd` (a TfmdDL over a plain list with a random
-after_batch transform), `digits` (an MLP; with --train-metrics and --die-order).
-RECIPE: `one` (fit_one_cycle(3)) or `stages` (the ULMFiT-style script: lr_find, fit_one_cycle,
-freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger).
+IterableDataset with / without state_dict), `stream-fastai` (the stream with state_dict through fastai's
+DataLoader(indexed=False, n=...): an epoch of n items), `sorted` (fastai's SortedDL, the text
+classifier's training loader), `tfmd` (a TfmdDL over a plain list with a random after_batch
+transform), `digits` (an MLP; with --train-metrics and --die-order).
+RECIPE: `one` (fit_one_cycle(3)), `stages` (the ULMFiT-style script: lr_find, fit_one_cycle,
+freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger) or `five` (five stages with
+what scripts do between them: prints, validate, save, load, lr_find, export; `five_stages`).
 --die S,E,K: in stage S, after K training batches of epoch E, save `crash` (or, with --auto, let
 AutoCheckpoint have saved) and die by SIGKILL. --load NAME: `learn.load(NAME)` at the top of the script.
 --auto N: one AutoCheckpoint(every_iters=N) in the Learner's callbacks; --auto-per-fit N: a new one
@@ -43,6 +46,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import fastai_resume  # noqa: E402
 import fastai_resume.session  # noqa: E402
+from fastai_resume.between import file_crc  # noqa: E402
 
 
 class SaveAndDie(Callback):
@@ -75,6 +79,19 @@ class SaveAndDie(Callback):
             auto._check_inflight(block=True)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SaveEvery(Callback):
+    "What a user writes to save a resumable checkpoint every N training batches."
+
+    order = 90
+
+    def __init__(self, n):
+        self.n = n
+
+    def after_batch(self):
+        if self.training and self.learn.train_iter % self.n == 0:
+            self.learn.save("crash", with_iter=True)
 
 
 class Trace(Callback):
@@ -171,7 +188,7 @@ def build(a):
     set_seed(42)
     xs, ys = digits()
     cbs, kw, splitter = [], {}, None
-    if a.pipeline in ("digits", "torch", "stream", "stream-nostate", "tfmd"):
+    if a.pipeline in ("digits", "torch", "stream", "stream-nostate", "stream-fastai", "tfmd", "sorted"):
         n = 600
         tr, va = (xs[:n], ys[:n]), (xs[1500:], ys[1500:])
         if a.pipeline == "digits":
@@ -180,10 +197,19 @@ def build(a):
         elif a.pipeline == "torch":
             train = torch.utils.data.DataLoader(NoisyDigits(*tr), batch_size=32, shuffle=True, drop_last=True)
             valid = torch.utils.data.DataLoader(NoisyDigits(*va), batch_size=128)
-        elif a.pipeline.startswith("stream"):
+        elif a.pipeline in ("stream", "stream-nostate"):
             cls = StatefulDigitStream if a.pipeline == "stream" else DigitStream
             train = torch.utils.data.DataLoader(cls(*tr), batch_size=32)
             valid = torch.utils.data.DataLoader(NoisyDigits(*va), batch_size=128)
+        elif a.pipeline == "stream-fastai":  # fastai's DataLoader over a stream, an epoch of n items
+            train = DataLoader(StatefulDigitStream(*tr), bs=32, indexed=False, n=n)
+            valid = DataLoader(list(zip(*va)), bs=128)
+        elif a.pipeline == "sorted":  # SortedDL: shuffle_fn draws from NumPy and returns an iterator
+            from fastai.text.data import SortedDL
+
+            lens = [int(i) % 7 for i in range(n)]
+            train = SortedDL(list(zip(*tr)), res=lens, bs=32, shuffle=True, after_batch=[RandomScale()])
+            valid = SortedDL(list(zip(*va)), res=[0] * len(va[0]), bs=128)
         else:
             train = TfmdDL(list(zip(*tr)), bs=32, shuffle=True, drop_last=True, after_batch=[RandomScale()])
             valid = TfmdDL(list(zip(*va)), bs=128)
@@ -248,6 +274,8 @@ def recipe(learn, a):
     if a.recipe == "one":
         learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs())
         return
+    if a.recipe == "five":
+        return five_stages(learn, a, fit_cbs)
     learn.add_cb(CSVLogger(append=a.csv_append))
     if not a.no_lr_find:
         learn.lr_find(num_it=20, show_plot=False)
@@ -257,6 +285,46 @@ def recipe(learn, a):
     learn.fit_one_cycle(2, slice(1e-3, 1e-2), cbs=fit_cbs())
     learn.unfreeze()
     learn.fit_one_cycle(a.last_epochs, slice(1e-4, 1e-3), cbs=fit_cbs())
+
+
+PRINTED = []  # what the script printed between its stages (`show`)
+
+
+def show(tag, v):
+    PRINTED.append(f"{tag} {[float(x) for x in v]}")
+    print(f"VALUES {PRINTED[-1]}", flush=True)
+
+
+def five_stages(learn, a, fit_cbs):
+    """A script of five stages that does between them what scripts do: prints the Recorder's last row and
+    `validate()`, saves and loads named models, runs lr_find and fits with its suggestion, exports."""
+    learn.add_cb(CSVLogger(append=True))
+    sug = learn.lr_find(num_it=12, show_plot=False)
+    show("lr_find-0", list(sug))
+    learn.freeze_to(-1)
+    learn.fit_one_cycle(1, float(sug.valley) * 10, cbs=fit_cbs())  # stage 0, at the suggestion (fastai's recipe)
+    show("stage-0", learn.recorder.values[-1])
+    show("valid-0", learn.validate())
+    learn.save("stage0")
+    learn.freeze_to(-2)
+    learn.fit_one_cycle(2, slice(1e-3, 1e-2), cbs=fit_cbs())  # stage 1
+    show("stage-1", learn.recorder.values[-1])
+    learn.save("stage1")
+    learn = learn.load("stage0")
+    show("valid-stage0", learn.validate())
+    learn = learn.load("stage1")
+    sug = learn.lr_find(num_it=12, show_plot=False)
+    show("lr_find-2", list(sug))
+    learn.unfreeze()
+    learn.fit_one_cycle(1, float(sug.valley), cbs=fit_cbs())  # stage 2, at the suggested rate
+    show("stage-2", learn.recorder.values[-1])
+    learn.export("stage2.pkl")
+    learn.fit(1, 1e-4, cbs=fit_cbs())  # stage 3
+    show("stage-3", learn.recorder.values[-1])
+    show("losses-3", learn.recorder.losses[-3:])
+    learn.fine_tune(1, 1e-4, freeze_epochs=1, cbs=fit_cbs())  # stage 4: two fits
+    show("stage-4", learn.recorder.values[-1])
+    show("valid-4", learn.validate())
 
 
 def result(learn):
@@ -273,6 +341,14 @@ def result(learn):
         "values": [[float(v) for v in row] for row in rec.values],
         "rng": rng,
         "csv": "\n".join(rows),
+        "printed": list(PRINTED),
+        "files": {
+            f: file_crc(os.path.join(learn.path, "models", f))
+            for f in sorted(os.listdir(os.path.join(learn.path, "models")))
+            if f.endswith(".pth")
+        }
+        if os.path.isdir(os.path.join(learn.path, "models"))
+        else {},
     }
 
 
@@ -291,6 +367,7 @@ def main(argv=None):
     ap.add_argument("--load", default=None)
     ap.add_argument("--auto", type=int, default=0)
     ap.add_argument("--auto-per-fit", type=int, default=0)
+    ap.add_argument("--save-every", type=int, default=0, help="a user's callback saving `crash` every N batches")
     ap.add_argument("--csv-append", action="store_true")
     ap.add_argument("--no-lr-find", action="store_true")
     ap.add_argument("--train-metrics", action="store_true")
@@ -304,6 +381,8 @@ def main(argv=None):
         learn.add_cb(Trace())
     if a.plant:
         learn.add_cb(PlantedDivergence())
+    if a.save_every:
+        learn.add_cb(SaveEvery(a.save_every))
     if a.auto:
         learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
     if a.die:
