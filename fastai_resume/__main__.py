@@ -28,7 +28,7 @@ from .io import CheckpointError
 
 _MAGIC_LEN = 8  # the format's magic bytes (docs/FORMAT.md): a shorter file can only be a cut checkpoint
 _ZIP = b"PK\x03\x04"  # torch.save's format (since torch 1.6), so every vanilla fastai .pth
-_TEMP = re.compile(r"^\..+\.tmp\.\d+\.\d+$")  # a commit's temporary file (csrc/format.c), in progress or killed
+_TEMP = re.compile(r"^\..+\.tmp\.\d+\.[0-9a-f]+$")  # a commit's temporary file (csrc/commit.c), in progress or killed
 
 
 class Failure(Exception):

@@ -1373,6 +1373,61 @@ static int count_hidden(const char *dir)
     return n;
 }
 
+/* True if name ends ".tmp.<this pid>.<16 hex digits>", the writer's temporary-name suffix. */
+static int temp_suffix_ok(const char *name)
+{
+    char pid_part[40];
+    int n = snprintf(pid_part, sizeof pid_part, ".tmp.%ld.", (long)getpid());
+    size_t len = strlen(name);
+    if (len < (size_t)n + 16 || strncmp(name + len - 16 - (size_t)n, pid_part, (size_t)n))
+        return 0;
+    for (size_t i = len - 16; i < len; i++)
+        if (!strchr("0123456789abcdef", name[i]))
+            return 0;
+    return 1;
+}
+
+/* Names planted in the directory before the writer's commit: every name the old scheme
+ * (".<name>.tmp.<pid>.<n>", n counting from 0) would have tried, and a thousand of the new
+ * form with random parts of their own.  The commit still succeeds, leaves every planted file
+ * as it was, and two commits do not pick one temporary name. */
+static void test_commit_planted_temp_names(void)
+{
+    char dir[600], path[1200], planted[1400], first[4096];
+    path_in(dir, sizeof dir, "planted");
+    CHECK(mkdir(dir, 0755) == 0);
+    snprintf(path, sizeof path, "%s/ckpt.frk", dir);
+    int n_planted = 0;
+    for (int i = 0; i < 1200; i++) {
+        if (i < 200)
+            snprintf(planted, sizeof planted, "%s/.ckpt.frk.tmp.%ld.%d", dir, (long)getpid(), i);
+        else
+            snprintf(planted, sizeof planted, "%s/.ckpt.frk.tmp.%ld.%016llx", dir, (long)getpid(),
+                     (unsigned long long)rnd());
+        n_planted += write_whole(planted, "planted", 7) == 0;
+    }
+    CHECK(n_planted == 1200 && count_temps(dir, "ckpt.frk") == 1200);
+    frk_error err;
+    for (int64_t gen = 1; gen <= 2; gen++) {
+        last_synced_file[0] = 0;
+        memset(&err, 0, sizeof err);
+        int rc = commit_gen(path, gen, 100, FRK_COMMIT_FSYNC, &err);
+        CHECKF(rc == FRK_OK, "commit %d: %s", (int)gen, err.msg);
+        CHECK(read_gen(path) == gen && count_temps(dir, "ckpt.frk") == 1200);
+        const char *tmp = strrchr(last_synced_file, '/');
+        CHECKF(tmp && temp_suffix_ok(tmp + 1), "temporary name %s", last_synced_file);
+        if (gen == 1)
+            snprintf(first, sizeof first, "%s", last_synced_file);
+        else
+            CHECKF(strcmp(first, last_synced_file), "two commits used %s", first);
+    }
+    snprintf(planted, sizeof planted, "%s/.ckpt.frk.tmp.%ld.0", dir, (long)getpid());
+    size_t len = 0;
+    uint8_t *back = read_whole(planted, &len);
+    CHECK(back && len == 7 && !memcmp(back, "planted", 7));
+    free(back);
+}
+
 static void test_commit_long_names(void)
 {
     char dir[600], path[1200], name[300];
@@ -1402,14 +1457,12 @@ static void test_commit_long_names(void)
         /* the temporary file the core synced, before its rename */
         const char *tmp = strrchr(last_synced_file, '/');
         tmp = tmp ? tmp + 1 : "";
-        char pid_part[32];
-        snprintf(pid_part, sizeof pid_part, ".tmp.%ld.0", (long)getpid());
-        CHECKF(tmp[0] == '.' && strlen(tmp) <= 255 && strstr(tmp, pid_part) &&
+        CHECKF(tmp[0] == '.' && strlen(tmp) <= 255 && temp_suffix_ok(tmp) &&
                    frk_utf8_valid((const uint8_t *)tmp, strlen(tmp)),
                "temporary name %s", tmp);
-        if (cases[i].bytes == 200) /* short enough: the plain ".<name>.tmp.<pid>.<n>" */
+        if (cases[i].bytes == 200) /* short enough: the plain ".<name>.tmp.<pid>.<random>" */
             CHECKF(!strncmp(tmp + 1, name, strlen(name)) &&
-                       !strcmp(tmp + 1 + strlen(name), pid_part),
+                       tmp + 1 + strlen(name) == strstr(tmp, ".tmp."),
                    "temporary name %s", tmp);
         else /* the start of the name and a hash of the whole */
             CHECKF(!strncmp(tmp + 1, name, 100) && strchr(tmp, '~'), "temporary name %s", tmp);
@@ -2889,6 +2942,7 @@ int main(int argc, char **argv)
     run_test("commit_failures_leave_no_temp", test_commit_failures);
     run_test("commit_directory_sync_failures_are_told", test_commit_directory_sync);
     run_test("commit_long_names_get_a_short_temp_name", test_commit_long_names);
+    run_test("commit_planted_temp_names_do_not_block_it", test_commit_planted_temp_names);
     run_test("commit_direct_same_bytes_as_buffered", test_commit_direct_same_bytes_as_buffered);
     run_test("crc32c_combine_and_copy", test_crc_combine_and_copy);
     run_test("error_message_cut_at_a_character", test_error_message_cut_at_a_character);
