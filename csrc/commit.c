@@ -249,6 +249,42 @@ static void temp_name(char *out, size_t cap, const char *base)
              rnd);
 }
 
+/* Where each blob goes (offsets, when not NULL), where the index starts, its size and the file's
+ * size: the layout the commit writes, and what frk_builder_size reports. */
+static int plan_layout(const frk_builder *b, uint64_t *offsets, uint64_t *index_offset,
+                       size_t *index_size, uint64_t *file_size, frk_error *err)
+{
+    uint64_t off = FRK_PREAMBLE_SIZE, total = 0;
+    int over = 0;
+    for (size_t i = 0; i < b->n_blobs && !over; i++) {
+        uint64_t a = blob_align(b->blobs[i].len);
+        over = off > UINT64_MAX - (a - 1);
+        off = over ? off : align_up(off, a);
+        if (offsets)
+            offsets[i] = off;
+        over = over || __builtin_add_overflow(off, b->blobs[i].len, &off);
+    }
+    /* the index's parts are in memory already: their sum fits in a size_t */
+    size_t ix = FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * b->n_blobs + FRK_INDEX_WORD +
+                b->tensors.len + FRK_INDEX_WORD + b->tree.len;
+    over = over || off > UINT64_MAX - (FRK_INDEX_WORD - 1);
+    uint64_t start = over ? 0 : align_up(off, FRK_INDEX_WORD);
+    if (over || __builtin_add_overflow(start, (uint64_t)ix, &total) ||
+        __builtin_add_overflow(total, (uint64_t)FRK_FOOTER_SIZE, &total))
+        return frk_fail(err, FRK_EINVAL, 0, "checkpoint larger than 2^64 bytes");
+    *index_offset = start;
+    *index_size = ix;
+    *file_size = total;
+    return FRK_OK;
+}
+
+int frk_builder_size(const frk_builder *b, uint64_t *size, frk_error *err)
+{
+    uint64_t index_offset;
+    size_t index_size;
+    return plan_layout(b, NULL, &index_offset, &index_size, size, err);
+}
+
 int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
                        frk_error *err)
 {
@@ -276,19 +312,10 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
     offsets = malloc((b->n_blobs ? b->n_blobs : 1) * sizeof *offsets);
     if (!offsets)
         return frk_oom(err);
-    uint64_t off = FRK_PREAMBLE_SIZE;
-    for (size_t i = 0; i < b->n_blobs; i++) {
-        off = align_up(off, blob_align(b->blobs[i].len));
-        offsets[i] = off;
-        if (__builtin_add_overflow(off, b->blobs[i].len, &off)) {
-            rc = frk_fail(err, FRK_EINVAL, 0, "checkpoint larger than 2^64 bytes");
-            goto out;
-        }
-    }
-    uint64_t index_offset = align_up(off, FRK_INDEX_WORD);
-    size_t index_size = FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * b->n_blobs + FRK_INDEX_WORD +
-                        b->tensors.len + FRK_INDEX_WORD + b->tree.len;
-    uint64_t file_size = index_offset + index_size + FRK_FOOTER_SIZE;
+    uint64_t index_offset, file_size;
+    size_t index_size;
+    if ((rc = plan_layout(b, offsets, &index_offset, &index_size, &file_size, err)))
+        goto out;
     index = malloc(index_size);
     if (!index) {
         rc = frk_oom(err);

@@ -179,6 +179,9 @@ int frk_builder_put_tensor(frk_builder *b, uint64_t tensor, frk_error *err);
  * without the GIL: touches no Python state.  *written receives the file size. */
 int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
                        frk_error *err);
+/* *size receives the bytes the commit of what b holds now will write (a full disk's error says
+ * how much room the checkpoint needs).  Fails only for a checkpoint of 2^64 bytes or more. */
+int frk_builder_size(const frk_builder *b, uint64_t *size, frk_error *err);
 
 /* ---- reader --------------------------------------------------------------- */
 

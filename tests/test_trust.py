@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from fastai.callback.tracker import SaveModelCallback
-from procs import ENV, equal
+from procs import ENV, equal, tmpfs
 from test_resume_rules import StopAt, fit
 from trainer import build
 
@@ -250,12 +250,8 @@ def test_a_transient_error_at_autoresume_is_raised_and_never_renames_good_files(
 @pytest.fixture
 def small_disk(tmp_path):
     "A real file system of 14 MiB (tmpfs), full after three checkpoints of the ballasted model."
-    d = tmp_path / "disk"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with tmpfs(tmp_path / "disk", "14m") as d:
+        yield d
 
 
 def test_a_full_disk_frees_this_runs_older_checkpoints_and_saves_again(small_disk):

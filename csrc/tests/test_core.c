@@ -1428,6 +1428,39 @@ static void test_commit_planted_temp_names(void)
     free(back);
 }
 
+/* frk_builder_size before the commit is the size the commit writes: small blobs, blobs big
+ * enough to start on a page, an empty one. */
+static void test_builder_size_is_the_committed_size(void)
+{
+    static const size_t lens[] = {3, 0, (size_t)FRK_PAGE_ALIGN_MIN + 5, 100, 2 * 4096};
+    enum { N = sizeof lens / sizeof *lens };
+    uint8_t *data[N];
+    frk_builder *b = frk_builder_new();
+    frk_error err;
+    uint64_t bi, ti, size = 0, written = 0;
+    CHECK(b != NULL);
+    CHECK(frk_builder_put_container(b, FRK_TAG_LIST, N, &err) == FRK_OK);
+    for (size_t i = 0; i < N; i++) {
+        data[i] = xmalloc(lens[i]);
+        memset(data[i], (int)i, lens[i]);
+        CHECK(frk_builder_add_blob(b, data[i], lens[i], &bi, &err) == FRK_OK);
+        CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, bi, 0, 1, (int64_t[]){(int64_t)lens[i]},
+                                     (int64_t[]){1}, &ti, &err) == FRK_OK);
+        CHECK(frk_builder_put_tensor(b, ti, &err) == FRK_OK);
+    }
+    char path[600];
+    path_in(path, sizeof path, "sized.frk");
+    CHECK(frk_builder_size(b, &size, &err) == FRK_OK);
+    CHECKF(frk_builder_commit(b, path, 0, &written, &err) == FRK_OK, "%s", err.msg);
+    struct stat st;
+    CHECK(stat(path, &st) == 0);
+    CHECKF(size == written && written == (uint64_t)st.st_size, "size %llu, wrote %llu, file %lld",
+           (unsigned long long)size, (unsigned long long)written, (long long)st.st_size);
+    frk_builder_free(b);
+    for (size_t i = 0; i < N; i++)
+        free(data[i]);
+}
+
 static void test_commit_long_names(void)
 {
     char dir[600], path[1200], name[300];
@@ -2943,6 +2976,7 @@ int main(int argc, char **argv)
     run_test("commit_directory_sync_failures_are_told", test_commit_directory_sync);
     run_test("commit_long_names_get_a_short_temp_name", test_commit_long_names);
     run_test("commit_planted_temp_names_do_not_block_it", test_commit_planted_temp_names);
+    run_test("builder_size_is_the_committed_size", test_builder_size_is_the_committed_size);
     run_test("commit_direct_same_bytes_as_buffered", test_commit_direct_same_bytes_as_buffered);
     run_test("crc32c_combine_and_copy", test_crc_combine_and_copy);
     run_test("error_message_cut_at_a_character", test_error_message_cut_at_a_character);
