@@ -27,6 +27,7 @@ __all__ = [
     "build_tree",
     "commit",
     "read",
+    "check",
     "validate_train",
     "grads_mismatch",
     "model_mismatch",
@@ -362,6 +363,14 @@ def validate_train(train) -> None:
 def read(path: Path) -> dict:
     "The checkpoint tree at `path`, with every part a Learner uses validated."
     tree = io.load(path)
+    check(tree, path)
+    return tree
+
+
+def check(tree, path) -> None:
+    """Raise `CheckpointError` naming `path` and what is wrong when `tree` is not a well-formed Learner
+    checkpoint (what `learn.load` refuses before it looks at the learner). The command-line tool
+    checks `info()` trees with it, their tensors replaced by stand-ins (`io.stand_ins`)."""
     if not isinstance(tree, dict) or not isinstance(tree.get("model"), dict):
         raise CheckpointError(f"{path}: a fastai_resume file, but not a Learner checkpoint (no 'model' dict)")
     v = tree.get("fastai_resume")
@@ -386,7 +395,6 @@ def read(path: Path) -> dict:
             validate_train(train)
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
-    return tree
 
 
 def grads_mismatch(train: dict, n_params: int) -> str:

@@ -257,9 +257,7 @@ def _decoder(mapping, reader):
                 ).untyped_storage()
             t = torch.empty(0, dtype=dtype).set_(st, off, sizes, strides)
         else:
-            dtype = NUMPY_DTYPE.get(code)
-            if dtype is None:
-                raise CheckpointError(f"array {i} has dtype code {code}, not a NumPy dtype")
+            dtype = NUMPY_DTYPE[code]  # (the reader refuses an array of a dtype NumPy lacks)
             if n == 0 or 0 in sizes:
                 t = np.empty(sizes, dtype=dtype)
             else:
@@ -316,16 +314,11 @@ def info(path: PathLike, verify: bool = True) -> dict:
     m = _core.Mapping(os.fspath(path))
     try:
         r = _core.Reader(m, verify=verify)
+        tensors = r.tensors()  # the table once: info must stay linear in the tensor count
+        tree = r.tree(lambda i: _TensorRef(i, tensors[i]))
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
-    tensors = r.tensors()  # the table once: info must stay linear in the tensor count
-    return {
-        "version": r.version,
-        "size": m.size,
-        "blobs": r.blobs(),
-        "tensors": tensors,
-        "tree": r.tree(lambda i: _TensorRef(i, tensors[i])),
-    }
+    return {"version": r.version, "size": m.size, "blobs": r.blobs(), "tensors": tensors, "tree": tree}
 
 
 class _TensorRef:
@@ -340,3 +333,25 @@ class _TensorRef:
 
     def __repr__(self):
         return f"<tensor {self.dtype} {list(self.shape)}>"
+
+    def stand_in(self) -> Any:
+        """What `load` would build here, with its type, dtype and shape but no data: a tensor on torch's
+        `meta` device, or a NumPy array broadcast from one element. (The reader has checked that each
+        shape fits its blob, so neither can be huge.)"""
+        if self.kind == _TORCH:
+            dtype = TORCH_DTYPE.get(self.code)
+            if dtype is None:
+                raise CheckpointError(f"tensor {self.index} has dtype code {self.code}, which this torch lacks")
+            return torch.empty(self.shape, dtype=dtype, device="meta")
+        return np.broadcast_to(np.zeros((), dtype=NUMPY_DTYPE[self.code]), self.shape)
+
+
+def stand_ins(tree: Any) -> Any:
+    "An `info()` tree (or part of one) with each tensor entry replaced by its `stand_in()`: what validation reads."
+    if isinstance(tree, _TensorRef):
+        return tree.stand_in()
+    if isinstance(tree, dict):
+        return {k: stand_ins(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(stand_ins(v) for v in tree)
+    return tree

@@ -2109,6 +2109,9 @@ static void test_hostile_tensors(void)
         {"bad dtype code 21", "unknown dtype code 21", 0, FRK_DT_COUNT, 0, 0, 1, {1}, {1}},
         {"bad dtype code 255", "unknown dtype code 255", 0, 255, 0, 0, 1, {1}, {1}},
         {"bad kind 2", "unknown kind 2", 2, FRK_DT_F32, 0, 0, 1, {1}, {1}},
+        {"NumPy bfloat16", "not a NumPy dtype", FRK_KIND_NUMPY, FRK_DT_BF16, 0, 0, 1, {4}, {1}},
+        {"NumPy complex32", "not a NumPy dtype", FRK_KIND_NUMPY, FRK_DT_C32, 0, 0, 1, {4}, {1}},
+        {"NumPy float8", "not a NumPy dtype", FRK_KIND_NUMPY, FRK_DT_F8_E5M2, 0, 0, 1, {4}, {1}},
         {"blob index out of range", "refers to blob 2 of 2", 0, FRK_DT_F32, 2, 0, 1, {1}, {1}},
         {"blob index UINT64_MAX", "refers to blob", 0, FRK_DT_F32, UINT64_MAX, 0, 1, {1}, {1}},
     };
@@ -2143,6 +2146,16 @@ static void test_hostile_tensors(void)
         ht_set(&s.tensors[0], 0, valid[i].dtype, 0, valid[i].soff, valid[i].ndim, valid[i].sizes,
                valid[i].strides);
         expect_valid(valid[i].what, &s);
+        hspec_free(&s);
+    }
+    /* NumPy arrays of the dtypes NumPy has, beside the codes it lacks */
+    static const uint8_t numpy_dtypes[] = {FRK_DT_BOOL, FRK_DT_F16, FRK_DT_F64, FRK_DT_C64,
+                                           FRK_DT_C128};
+    for (size_t i = 0; i < sizeof numpy_dtypes; i++) {
+        hspec_default(&s);
+        ht_set(&s.tensors[0], FRK_KIND_NUMPY, numpy_dtypes[i], 0, 0, 1, (int64_t[]){4},
+               (int64_t[]){1});
+        expect_valid("a NumPy array of a NumPy dtype", &s);
         hspec_free(&s);
     }
 
@@ -2817,6 +2830,7 @@ static int write_seeds(const char *dir)
         snprintf(path, sizeof path, "%s/seed-%02d.frk", dir, n++);                                 \
         if ((rc = frk_builder_commit(b, path, 0, NULL, &err))) {                                   \
             fprintf(stderr, "seed %s: %s\n", path, err.msg);                                       \
+            frk_builder_free(b);                                                                   \
             return 1;                                                                              \
         }                                                                                          \
         frk_builder_free(b);                                                                       \
@@ -2872,7 +2886,8 @@ static int write_seeds(const char *dir)
     frk_builder_put_str(b, FRK_TAG_STR, RT_STR, strlen(RT_STR), &err);
     SEED_COMMIT(b);
 
-    /* 4: many dtypes and strided views over a few blobs */
+    /* 4: many dtypes (as torch tensors, and as NumPy arrays where NumPy has the dtype) and
+     * strided views over a few blobs */
     b = frk_builder_new();
     uint64_t blobs[3];
     frk_builder_add_blob(b, data, 96, &blobs[0], &err);
@@ -2882,8 +2897,9 @@ static int write_seeds(const char *dir)
     for (unsigned dt = 0; dt < FRK_DT_COUNT; dt++) {
         size_t item = frk_dtype_size(dt);
         int64_t n = (int64_t)(96 / item);
-        frk_builder_add_tensor(b, dt % 2, dt, blobs[0], 0, 1, (int64_t[]){n}, (int64_t[]){1}, &ti,
-                               &err);
+        int numpy = dt % 2 && dt != FRK_DT_C32 && dt < FRK_DT_F8_E4M3FN;
+        frk_builder_add_tensor(b, numpy ? FRK_KIND_NUMPY : FRK_KIND_TORCH, dt, blobs[0], 0, 1,
+                               (int64_t[]){n}, (int64_t[]){1}, &ti, &err);
         nt++;
     }
     frk_builder_add_tensor(b, 0, FRK_DT_U8, blobs[1], 2, 3, (int64_t[]){2, 3, 4},
