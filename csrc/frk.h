@@ -173,11 +173,15 @@ int frk_builder_put_tensor(frk_builder *b, uint64_t tensor, frk_error *err);
 
 /* Writes the checkpoint to path atomically: a temporary file in the same
  * directory, preallocated, written in one sequential pass, fsynced, renamed
- * over path, then the directory fsynced.  On any failure the temporary file
+ * over path, then the directory fsynced.  The temporary file's name has a random part (no
+ * other process can create it first) and the writer's pid.  On any failure the temporary file
  * is removed and whatever was at path before is untouched.  Safe to call
  * without the GIL: touches no Python state.  *written receives the file size. */
 int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
                        frk_error *err);
+/* *size receives the bytes the commit of what b holds now will write (a full disk's error says
+ * how much room the checkpoint needs).  Fails only for a checkpoint of 2^64 bytes or more. */
+int frk_builder_size(const frk_builder *b, uint64_t *size, frk_error *err);
 
 /* ---- reader --------------------------------------------------------------- */
 

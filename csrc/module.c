@@ -441,6 +441,16 @@ static PyObject *Writer_get_done(WriterObject *w, void *Py_UNUSED(c))
     return PyBool_FromLong(w->phase == WRITER_DONE || atomic_load(&w->thread_done));
 }
 
+static PyObject *Writer_get_size(WriterObject *w, void *Py_UNUSED(c))
+{
+    if (!writer_open(w)) /* a commit may be reading the builder in another thread */
+        return NULL;
+    uint64_t size;
+    frk_error err;
+    int rc = frk_builder_size(w->b, &size, &err);
+    return rc ? writer_status(w, rc, &err) : PyLong_FromUnsignedLongLong(size);
+}
+
 #define PUT_DOC(name, arg, what) #name "($self, " #arg ", /)\n--\n\n" what
 static PyMethodDef Writer_methods[] = {
     {"add_blob", (PyCFunction)(void (*)(void))Writer_add_blob, METH_VARARGS | METH_KEYWORDS,
@@ -484,6 +494,8 @@ static PyMethodDef Writer_methods[] = {
 
 static PyGetSetDef Writer_getset[] = {
     {"done", (getter)Writer_get_done, NULL, "True once the commit has finished", NULL},
+    {"size", (getter)Writer_get_size, NULL,
+     "The bytes a commit of what this Writer holds will write (before the commit)", NULL},
     {NULL},
 };
 

@@ -10,6 +10,10 @@ Exit status: 0 when all is well; 1 when `verify` finds a file that is not a vali
 `inspect` a checksum that fails, or `check` a difference; 2 on an error (a missing file, a file
 that is not what the command needs, a file that cannot be written), told in one line on stderr that names the file.
 
+A file's content is untrusted: a tree that says it is a Learner checkpoint (it has the schema key
+or a training state) is checked as `learn.load` checks it before any command reads a field of it;
+a malformed one is BAD for `verify` and an error (exit 2) for the others, never a traceback.
+
 The tool needs neither fastai nor a GPU: it prints its output and nothing else.
 """
 
@@ -21,6 +25,7 @@ import re
 import stat
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from . import _core, io
@@ -28,7 +33,7 @@ from .io import CheckpointError
 
 _MAGIC_LEN = 8  # the format's magic bytes (docs/FORMAT.md): a shorter file can only be a cut checkpoint
 _ZIP = b"PK\x03\x04"  # torch.save's format (since torch 1.6), so every vanilla fastai .pth
-_TEMP = re.compile(r"^\..+\.tmp\.\d+\.\d+$")  # a commit's temporary file (csrc/format.c), in progress or killed
+_TEMP = re.compile(r"^\..+\.tmp\.\d+\.[0-9a-f]+$")  # a commit's temporary file (csrc/commit.c), in progress or killed
 
 
 class Failure(Exception):
@@ -78,13 +83,32 @@ def _reason(e: Exception, path) -> str:
     return msg
 
 
+def _claims_learner(tree) -> bool:
+    "Whether a tree says it is a Learner checkpoint: it has the schema key or a training state."
+    return isinstance(tree, dict) and ("fastai_resume" in tree or "train" in tree)
+
+
+def _check_learner(tree, path) -> None:
+    """Raises `CheckpointError`, naming the file and the part, where a tree that says it is a Learner
+    checkpoint is malformed: what `learn.load` refuses (`checkpoint.check`). An `info()` tree's tensor
+    entries are checked through data-less stand-ins."""
+    if _claims_learner(tree):
+        from . import checkpoint
+
+        try:
+            train = io.stand_ins(tree.get("train"))
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        checkpoint.check({**tree, "train": train}, path)
+
+
 def _problem(path) -> str | None:
     "What is wrong with `path` as a checkpoint, or None when it is complete and every checksum verifies."
     head, size = _head(path)
     if not _claims_format(head, size):
         return _not_ours(head)
     try:
-        io.info(path, verify=True)
+        _check_learner(io.info(path, verify=True)["tree"], path)
     except (CheckpointError, OSError) as e:
         return _reason(e, path)
     return None
@@ -114,12 +138,13 @@ def cmd_inspect(a):
     if not _claims_format(head, size):
         raise Failure(f"{a.file}: {_not_ours(head)}")
     info = io.info(a.file, verify=False)
+    tree = info["tree"]
+    _check_learner(tree, a.file)  # before a field of it is read
     try:
         io.info(a.file, verify=True)
         verified, status = "all checksums verify", 0
     except CheckpointError as e:
         verified, status = f"CHECKSUM FAILURE: {_reason(e, a.file)}", 1
-    tree = info["tree"]
     print(
         f"{a.file}: fastai_resume format v{info['version']}, {info['size']:,} bytes, "
         f"{len(info['blobs'])} blobs, {len(info['tensors'])} tensors; {verified}"
@@ -138,7 +163,7 @@ def cmd_inspect(a):
                 f"recorder: {len(rec.get('values', []))} epochs of metrics, "
                 f"smooth-loss count {rec.get('smooth_count')}; "
                 f"rng: python, numpy, torch{', cuda' if 'cuda' in train['rng'] else ''}; "
-                f"callbacks: {', '.join(train['callbacks']) or 'none'}"
+                f"callbacks: {', '.join(map(str, train['callbacks'])) or 'none'}"
             )
         else:
             print("position: none (saved outside fit: loading it never skips work)")
@@ -253,8 +278,9 @@ def _load_vanilla(src: Path, head: bytes):
                 f"{src}: holds {', '.join(other)}, not only tensors and fastai's optimizer state; "
                 "not loaded (convert never runs code from a file)"
             )
-    try:
-        with torch.serialization.safe_globals(allowed):
+    try:  # (torch warns about pickle protocols it may not read: the error, if any, says what matters)
+        with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             st = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:  # whatever torch's unpickler meets in a file that is not one of its own
         if not head.startswith(_ZIP):
@@ -288,6 +314,9 @@ def cmd_convert(a):
         tree = io.load(src)
         if not isinstance(tree, dict) or "model" not in tree:
             raise Failure(f"{src}: a fastai_resume file, but not a Learner checkpoint (no 'model')")
+        _check_learner(tree, src)
+        if not isinstance(tree["model"], dict):
+            raise Failure(f"{src}: 'model' is a {type(tree['model']).__name__}, not a state dict")
         out = (
             {"model": tree["model"], "opt": tree["opt"]}
             if tree.get("opt") is not None and not a.model_only

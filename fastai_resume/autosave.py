@@ -27,6 +27,7 @@ from .snapshot import BackgroundCommit, SnapshotPool
 __all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE"]
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
+_ENOSPC = os.strerror(errno.ENOSPC)  # the words a user may search a log for
 
 
 class AutoCheckpoint(Callback):
@@ -47,7 +48,9 @@ class AutoCheckpoint(Callback):
       waits for it. A failed save raises at the next
       batch boundary (`on_error='warn'`: a loud warning instead, for background and synchronous saves).
       A save that finds the disk full removes this run's older checkpoints (never the newest valid
-      one) and tries again once.
+      one) and tries again once; each time it says so, in a warning and a printed line (the folder,
+      the room the checkpoint needs, what was removed). When nothing is left to remove, the error
+      says what to do.
     - `resume=True`: the first training call of the process (and the next one after an interrupted
       fit) continues from the newest valid checkpoint of this run; a file proven corrupt is named in a
       warning and renamed `*.corrupt`; an error that is not the file's fault (too many open files,
@@ -101,6 +104,7 @@ class AutoCheckpoint(Callback):
         self._inflight = None  # (BackgroundCommit, final path)
         self._pool = SnapshotPool()  # background saves copy into the previous save's buffers
         self._failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
+        self._retried = []  # what a full disk made a background save remove, until a save succeeds
         self._run = None  # this run's AutosaveRun, shared with every other instance of the same run
         self._lock = None  # the open lock file of this run
         self._old_handler = None
@@ -311,11 +315,11 @@ class AutoCheckpoint(Callback):
             self._save()
 
     def after_epoch(self):
-        if self.every_epoch:
-            self._save()
+        if self.every_epoch:  # the fit's last: written now (its end waits for it anyway), so a full disk can retry it
+            self._save(background=False if self.epoch == self.n_epoch - 1 else None)
 
     def after_fit(self):
-        self._check_inflight(block=True)
+        self._check_inflight(block=True, last=True)
         self._pool.release()
         self._restore_handler()
         if dist.active() and dist.agree_any(4 if self._failure is not None else 0):
@@ -334,9 +338,9 @@ class AutoCheckpoint(Callback):
             self._run.resumed = False
 
     def _fail(self, msg, exc):
-        "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn."
+        "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn and print."
         if self.on_error == "warn":
-            return warnings.warn(msg, stacklevel=2)
+            return self._say(msg)
         err = OSError(getattr(exc, "errno", None), msg) if isinstance(exc, OSError) else CheckpointError(msg)
         if not dist.active():
             raise err from exc
@@ -350,25 +354,58 @@ class AutoCheckpoint(Callback):
             None, "AutoCheckpoint: rank 0's save failed (its error says why); the previous checkpoints are intact"
         )
 
+    @staticmethod
+    def _say(msg):
+        "What the operator must hear even where warnings are filtered out: a warning and a printed line."
+        warnings.warn(msg, stacklevel=3)
+        print(msg, flush=True)
+
     def _restore_handler(self):
         if self._old_handler is not None:
             signal.signal(signal.SIGTERM, self._old_handler)
             self._old_handler = None
 
     # -- saving -----------------------------------------------------------------------------
-    def _free_space(self) -> int:
-        "After ENOSPC: remove this run's checkpoints but the newest valid one. Returns how many."
+    def _free_space(self) -> list:
+        "After ENOSPC: remove this run's checkpoints but the newest valid one. Returns [(path, bytes)] removed."
         newest = self.latest_valid() if dist.rank() == 0 else None
-        n = 0
+        removed = []
         for old in self.checkpoints():
             if old == newest:
                 continue
             try:
+                size = old.stat().st_size
                 old.unlink()
-                n += 1
+                removed.append((old, size))
             except OSError:
                 pass
-        return n
+        return removed
+
+    def _disk_full(self, path, e, removed, then) -> str:
+        "The notice of a full disk that removing `removed` made room on; the save is tried again `then`."
+        names = ", ".join(p.name for p, _ in removed)
+        return (
+            f"AutoCheckpoint: the disk is full ({_ENOSPC}): {path.name} needs {_room(e)} in {path.parent}; "
+            f"removed this run's older checkpoint{'s' if len(removed) > 1 else ''} {names} "
+            f"({sum(n for _, n in removed):,} bytes) to make room, and saves again {then}"
+        )
+
+    def _disk_still_full(self, path, e, removed, fit_ended=False) -> str:
+        "The error of a full disk that removing this run's older checkpoints cannot help: what to do."
+        newest = self.checkpoints() if dist.rank() == 0 else []
+        kept = f"its newest checkpoint {newest[-1].name} stays" if newest else "it has no checkpoint there"
+        gone = f"; {', '.join(p.name for p, _ in removed)} removed already" if removed else ""
+        why = (
+            "the fit has ended, no batch is left to save it at"
+            if fit_ended
+            else f"this run has nothing left to remove there ({kept}{gone}; other files are never touched)"
+        )
+        resume = f"it resumes from {newest[-1].name}" if newest else "it starts from the beginning"
+        return (
+            f"AutoCheckpoint: the disk is full ({_ENOSPC}): {path.name} needs {_room(e)} in {path.parent}, and {why}. "
+            "Free space on that disk, or give the Learner a path (or model_dir) on a larger one, then run "
+            f"the script again: {resume}. The previous checkpoints are intact."
+        )
 
     def _save(self, background=None):
         background = self.background if background is None else background
@@ -387,13 +424,20 @@ class AutoCheckpoint(Callback):
             return path  # already saved here
         self._check_inflight(block=True)  # at most one save in flight
         if not background:  # under DDP: every rank waits until rank 0 has committed
+            removed: list = []
             for attempt in (0, 1):
                 try:
                     checkpoint.commit(lambda: checkpoint.build_tree(learn, with_opt=True, with_iter=True), path)
                     break
                 except OSError as e:
-                    if attempt == 0 and e.errno == errno.ENOSPC and dist.rank() == 0 and self._free_space():
-                        continue
+                    if e.errno == errno.ENOSPC and dist.rank() == 0:
+                        freed = self._free_space() if attempt == 0 else []
+                        if freed:
+                            self._say(self._disk_full(path, e, freed, "now"))
+                            removed = freed
+                            continue
+                        self._fail(self._disk_still_full(path, e, removed), e)
+                        return None
                     self._fail(
                         f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e
                     )
@@ -417,7 +461,8 @@ class AutoCheckpoint(Callback):
         self._inflight = (w, path)
         return path
 
-    def _check_inflight(self, block):
+    def _check_inflight(self, block, last=False):
+        "The save in flight, if done (or `block`: once done). `last`: the fit has ended, no batch is left to save at."
         if self._inflight is None:
             return
         w, path = self._inflight
@@ -427,19 +472,20 @@ class AutoCheckpoint(Callback):
         try:
             w.wait()
         except OSError as e:
-            if e.errno == errno.ENOSPC and not getattr(self, "_retried", False) and self._free_space():
-                self._retried = self._retry = True  # the next training batch saves again, once
-                warnings.warn(
-                    f"AutoCheckpoint: the disk was full saving {path}; older checkpoints of this run "
-                    "were removed and the next batch saves again",
-                    stacklevel=2,
-                )
+            if e.errno == errno.ENOSPC:
+                retried, self._retried = self._retried, []
+                freed = [] if retried or last else self._free_space()
+                if freed:
+                    self._retried, self._retry = freed, True  # the next training batch saves again, once
+                    self._say(self._disk_full(path, e, freed, "at the next batch"))
+                    return
+                self._fail(self._disk_still_full(path, e, retried, fit_ended=last), e)
                 return
             self._fail(
                 f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact.", e
             )
             return
-        self._retried = False
+        self._retried = []
         self.saved.append(path)  # its thread has applied the retention (`_remove_stale`)
         if w.then_error is not None:
             msg = f"AutoCheckpoint: saved {path}, then removing older checkpoints failed: {w.then_error!r}"
@@ -483,3 +529,11 @@ class AutoCheckpoint(Callback):
         if self.attempt is not None:
             kept.add(f"{self.attempt:03d}")
         return sorted(p for p in folder.iterdir() if (m := end.match(p.name)) and m[1] not in kept)
+
+
+def _room(e: OSError) -> str:
+    "The room a save that found the disk full needs, and what was free (`io.DiskFullError`)."
+    if not isinstance(e, io.DiskFullError):
+        return "more room than is free"
+    free = "" if e.free is None else f" ({e.free:,} free)"
+    return f"{e.needed:,} bytes{free}"

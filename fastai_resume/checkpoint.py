@@ -27,6 +27,7 @@ __all__ = [
     "build_tree",
     "commit",
     "read",
+    "check",
     "validate_train",
     "grads_mismatch",
     "model_mismatch",
@@ -84,7 +85,8 @@ def cloned(tree):
     return tree
 
 
-_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.\d+$")
+# A commit's temporary file (csrc/commit.c): `.<name>.tmp.<pid>.<16 random hex digits>` (older writers: `.<n>`, a count)
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]+$")
 
 
 def _alive(pid: int) -> bool:
@@ -395,6 +397,14 @@ def validate_train(train) -> None:
 def read(path: Path) -> dict:
     "The checkpoint tree at `path`, with every part a Learner uses validated."
     tree = io.load(path)
+    check(tree, path)
+    return tree
+
+
+def check(tree, path) -> None:
+    """Raise `CheckpointError` naming `path` and what is wrong when `tree` is not a well-formed Learner
+    checkpoint (what `learn.load` refuses before it looks at the learner). The command-line tool
+    checks `info()` trees with it, their tensors replaced by stand-ins (`io.stand_ins`)."""
     if not isinstance(tree, dict) or not isinstance(tree.get("model"), dict):
         raise CheckpointError(f"{path}: a fastai_resume file, but not a Learner checkpoint (no 'model' dict)")
     v = tree.get("fastai_resume")
@@ -419,7 +429,6 @@ def read(path: Path) -> dict:
             validate_train(train)
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
-    return tree
 
 
 def load_tree(learn, path, tree, device, with_opt, strict):

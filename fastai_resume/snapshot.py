@@ -245,7 +245,7 @@ class BackgroundCommit:
     def _run(self, path, fsync):
         t0 = time.perf_counter()
         try:
-            self._result = self._writer.commit(path, fsync=fsync, direct=self.direct)
+            self._result = io.commit(self._writer, path, fsync=fsync, direct=self.direct)
         except BaseException as e:
             self._error = e
         finally:

@@ -1,11 +1,13 @@
 """Running tests/trainer.py as a real process, and comparing what runs produced."""
 
+import contextlib
 import functools
 import os
 import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 from filelock import FileLock
 from forkserver import Pool
@@ -118,3 +120,21 @@ def crash_and_rerun(tmp_path, pipeline, die, *args, rerun=("--load", "crash"), e
 def assert_same_result(ref, res, keys=("model", "opt", "losses", "lrs", "values", "rng", "csv")):
     for key in keys:
         assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"
+
+
+@contextlib.contextmanager
+def tmpfs(folder, size):
+    """A real file system of `size` (mount's syntax: "11m") mounted on `folder` while inside; the test is
+    skipped, saying why, only where mounting is impossible (not root, no CAP_SYS_ADMIN, no mount)."""
+    os.makedirs(folder, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs on {folder}: {e}")
+    if r.returncode:
+        why = r.stderr.decode(errors="replace").strip()
+        pytest.skip(f"cannot mount a tmpfs on {folder} (it needs root or CAP_SYS_ADMIN): {why}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

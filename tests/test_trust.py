@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from fastai.callback.tracker import SaveModelCallback
-from procs import ENV, equal
+from procs import ENV, equal, tmpfs
 from test_resume_rules import StopAt, fit
 from trainer import build
 
@@ -250,12 +250,8 @@ def test_a_transient_error_at_autoresume_is_raised_and_never_renames_good_files(
 @pytest.fixture
 def small_disk(tmp_path):
     "A real file system of 14 MiB (tmpfs), full after three checkpoints of the ballasted model."
-    d = tmp_path / "disk"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with tmpfs(tmp_path / "disk", "14m") as d:
+        yield d
 
 
 def test_a_full_disk_frees_this_runs_older_checkpoints_and_saves_again(small_disk):
@@ -291,3 +287,55 @@ def test_temp_files_of_killed_saves_are_removed_when_their_process_is_gone(tmp_p
     stale.write_bytes(b"partial"), live.write_bytes(b"in flight")
     learn.save("m", with_iter=True)
     assert not stale.exists() and live.exists()
+
+
+def test_planted_temporary_names_cannot_block_a_save(tmp_path):
+    """Another user of the folder creates, before the save, every temporary name the old scheme
+    (`.<name>.tmp.<pid>.<n>`, n = 0, 1, ...) would try and a thousand of the new form: saves, in this
+    process and from a background writer thread, still succeed, and no planted file is touched."""
+    from fastai_resume.snapshot import BackgroundCommit
+
+    rnd = random.Random(0)
+    planted = {}
+    for name in ("ck.frk", "bg.frk"):
+        for n in range(200):
+            planted[tmp_path / f".{name}.tmp.{os.getpid()}.{n}"] = b"old scheme"
+        for _ in range(1000):
+            planted[tmp_path / f".{name}.tmp.{os.getpid()}.{rnd.getrandbits(64):016x}"] = b"guessed"
+    for p, data in planted.items():
+        p.write_bytes(data)
+    tree = {"w": torch.arange(1000.0), "step": 3}
+    fr.save(tree, tmp_path / "ck.frk")
+    BackgroundCommit(tree, tmp_path / "bg.frk").wait()
+    for name in ("ck.frk", "bg.frk"):
+        back = fr.load(tmp_path / name)
+        assert back["step"] == 3 and torch.equal(back["w"], tree["w"])
+    assert {p: p.read_bytes() for p in planted} == planted
+    assert sorted(p.name for p in tmp_path.iterdir() if p not in planted) == ["bg.frk", "ck.frk"]
+
+
+def test_a_killed_writers_random_temporary_name_is_recognised_and_removed(tmp_path):
+    "A real writer killed mid-save leaves `.<name>.tmp.<pid>.<16 hex digits>`; its pid still marks it as dead."
+    import re
+    import time
+
+    code = (
+        "import sys, torch, fastai_resume as fr\nt = {'w': torch.zeros(8 << 20)}\nwhile True: fr.save(t, sys.argv[1])\n"
+    )
+    for _ in range(5):  # a kill that lands between a rename and the next save leaves no temp file: again
+        p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "m.frk")], env=ENV)
+        try:
+            deadline = time.monotonic() + 120
+            temps: list = []
+            while not temps and time.monotonic() < deadline and p.poll() is None:
+                temps = [n for n in os.listdir(tmp_path) if n.startswith(".m.frk.tmp.")]
+            p.kill()
+        finally:
+            p.kill()
+            p.wait()
+        left = [n for n in os.listdir(tmp_path) if n.startswith(".m.frk.tmp.")]
+        if left:
+            break
+    assert left and re.fullmatch(rf"\.m\.frk\.tmp\.{p.pid}\.[0-9a-f]{{16}}", left[0]), left
+    assert fr.checkpoint.remove_dead_temps(tmp_path) == 1
+    assert [n for n in os.listdir(tmp_path) if n != "m.frk"] == []  # (killed before its first rename: no m.frk)

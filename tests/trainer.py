@@ -7,9 +7,11 @@ writes the final model and optimizer state and the Recorder's history to `--out`
 """
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -119,6 +121,18 @@ def result(learn):
     }
 
 
+@contextlib.contextmanager
+def shown_warnings():
+    "Every warning given inside, printed as one 'WARNING: ' line each when it ends (also by an exception)."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in seen:
+                print("WARNING: " + " ".join(str(w.message).split()), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--path", required=True)
@@ -140,6 +154,11 @@ def main(argv=None):
     ap.add_argument("--ballast-mb", type=int, default=0, help="a constant buffer this big in the model (slower saves)")
     ap.add_argument("--fsize-mb", type=int, default=0, help="RLIMIT_FSIZE for this process (a full disk)")
     ap.add_argument("--on-error", default="raise")
+    ap.add_argument(
+        "--show-warnings",
+        action="store_true",
+        help="record every warning (whatever the environment's filters) and print each at the end as 'WARNING: ...'",
+    )
     ap.add_argument(
         "--ddp", action="store_true", help="train inside learn.distrib_ctx(cpu=True) (launch with torchrun)"
     )
@@ -201,9 +220,8 @@ def main(argv=None):
             train["loaders_epoch"] = [fastai_resume.loaders.capture(dl) for dl in learn.dls.loaders]
         if a.shared_rng:
             fastai_resume.session.script(learn).armed.train["ranks"] = None
-    import contextlib
-
-    with learn.no_bar(), learn.distrib_ctx(cpu=True) if a.ddp else contextlib.nullcontext():
+    shown = shown_warnings() if a.show_warnings else contextlib.nullcontext()
+    with shown, learn.no_bar(), learn.distrib_ctx(cpu=True) if a.ddp else contextlib.nullcontext():
         if a.method == "fit_one_cycle":
             learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs, start_epoch=a.start_epoch)
         elif a.method == "fit_flat_cos":
