@@ -97,10 +97,10 @@ class TimedAutoCheckpoint(fastai_resume.AutoCheckpoint):
             self.writes.append(dt)
         return r
 
-    def _check_inflight(self, block):
-        w = self._inflight[0] if self._inflight is not None else None
-        super()._check_inflight(block)
-        if w is not None and self._inflight is None:
+    def _check_inflight(self, block, last=False):
+        w = self.saves.inflight[0] if self.saves.inflight is not None else None
+        super()._check_inflight(block, last)
+        if w is not None and self.saves.inflight is None:
             self.writes.append(w.seconds)
 
 

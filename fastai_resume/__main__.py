@@ -28,8 +28,10 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from . import _core, io
+from . import _core, checkpoint, io
+from .check import check
 from .io import CheckpointError
+from .state import plain
 
 _MAGIC_LEN = 8  # the format's magic bytes (docs/FORMAT.md): a shorter file can only be a cut checkpoint
 _ZIP = b"PK\x03\x04"  # torch.save's format (since torch 1.6), so every vanilla fastai .pth
@@ -93,8 +95,6 @@ def _check_learner(tree, path) -> None:
     checkpoint is malformed: what `learn.load` refuses (`checkpoint.check`). An `info()` tree's tensor
     entries are checked through data-less stand-ins."""
     if _claims_learner(tree):
-        from . import checkpoint
-
         try:
             train = io.stand_ins(tree.get("train"))
         except CheckpointError as e:
@@ -325,8 +325,6 @@ def cmd_convert(a):
         _write_atomically(lambda f: torch.save(out, f), dst)
         print(f"wrote {dst} (vanilla fastai: learn.load / torch.load read it)")
     else:
-        from .state import plain
-
         model, opt = _load_vanilla(src, head)
         tree = {"fastai_resume": 1, "model": model}
         if opt is not None and not a.model_only:
@@ -339,8 +337,6 @@ def cmd_convert(a):
 
 
 def cmd_check(a):
-    from .check import check
-
     if not Path(a.script).is_file():
         raise Failure(f"{a.script}: no such script")
     kill_at = tuple(int(x) for x in a.kill_at.split(",")) if a.kill_at else None

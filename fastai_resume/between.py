@@ -26,15 +26,14 @@ is written.
 from __future__ import annotations
 
 import os
-import secrets
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 from fastcore.foundation import L
 
-from . import _core, check, checkpoint, dist, io, loaders, paths, state
+from . import _core, check, checkpoint, dist, io, paths, state, trainstate
+from .fastai_classes import is_a
 from .io import CheckpointError
 from .script import script
 
@@ -48,7 +47,6 @@ __all__ = [
     "predicted",
     "lr_find_fit",
     "write_or_keep",
-    "script_tree",
 ]
 
 
@@ -238,11 +236,6 @@ def lr_find_fit(learn, run):
     return out
 
 
-def script_tree(sc, st) -> dict:
-    "What a checkpoint saved in stage `st` carries of the script: the stage ends before it, and the log."
-    return {"ends": list(sc.ends[: st.index]), "log": list(sc.log)}
-
-
 # ---- stage ends -------------------------------------------------------------------------------
 
 _END = "-s{:03d}-end" + io.EXT
@@ -252,80 +245,6 @@ def end_path(folder: Path, stem: str, stage: int) -> Path:
     return Path(folder) / (stem + _END.format(stage))
 
 
-def _learner_counters(learn) -> dict:
-    out: dict = {}
-    for k in ("epoch", "n_epoch", "iter", "n_iter", "train_iter"):
-        v = learn.__dict__.get(k)
-        if isinstance(v, int) and not isinstance(v, bool):
-            out[k] = v
-    if isinstance(learn.__dict__.get("pct_train"), (int, float)):
-        out["pct_train"] = float(learn.pct_train)
-    fr = learn.__dict__.get("final_record")
-    if fr is not None:
-        out["final_record"] = state.plain(list(fr))
-    sl = learn.__dict__.get("smooth_loss")
-    if isinstance(sl, torch.Tensor):
-        out["smooth_loss"] = sl.detach().clone()
-    return out
-
-
-def _end_tree(learn, sc, st) -> dict | None:
-    "The learner as stage `st` ended (collective under DDP: every rank's RNG, loaders and Recorder)."
-    rec = getattr(learn, "recorder", None)
-    mine = {
-        "rng": state.rng_state(),
-        "loaders": [loaders.capture(dl) for dl in learn.dls.loaders],
-        "recorder": None if rec is None or not hasattr(rec, "values") else _recorder_end(rec),
-    }
-    ranks = dist.gather(mine) if dist.active() else None
-    if dist.rank() != 0:
-        return None
-    tree = checkpoint.model_tree(learn, with_opt=True)
-    tree["end"] = {
-        "stage": st.index,
-        "token": secrets.randbits(62),
-        "signature": st.signature,
-        **mine,
-        "ranks": None if ranks is None else [None] + ranks[1:],
-        "callbacks": state.between_stage_states(learn),
-        "grad_set": [p.grad is not None for p in learn.model.parameters()],
-        "training": bool(learn.model.training),
-        "learner": _learner_counters(learn),
-        "rows": [state.plain(list(r)) for r in st.rows],
-    }
-    return tree
-
-
-def _recorder_values(rec) -> dict:
-    "The Recorder's per-epoch numbers (small): what a rerun has of a stage whose end state was not kept."
-    return {
-        "values": state.plain([list(v) for v in rec.values]),
-        "metric_names": [str(n) for n in getattr(rec, "metric_names", [])],
-        "log": state.plain(list(getattr(rec, "log", []))),
-    }
-
-
-def _set_recorder_values(learn, v) -> None:
-    rec = getattr(learn, "recorder", None)
-    if rec is None or not isinstance(v, dict):
-        return
-    vals = v.get("values")
-    if not (isinstance(vals, list) and all(isinstance(r, list) for r in vals)):
-        raise CheckpointError("malformed training state: train.script.log[].result.values: expected a list of lists")
-    rec.values = [L(r) for r in vals]
-    rec.metric_names = L(v.get("metric_names") or [])
-    rec.log = L(v.get("log") or [])
-    if rec.values:
-        learn.final_record = rec.values[-1].copy()
-
-
-def _recorder_end(rec) -> dict:
-    out = state.recorder_state(rec)
-    out["metric_names"] = [str(n) for n in getattr(rec, "metric_names", [])]
-    out["log"] = state.plain(list(getattr(rec, "log", [])))
-    return out
-
-
 def stage_ended(learn, sc, st) -> None:
     "At the end of stage `st`: restore its end state (a rerun that skipped it) or write it (if it is needed)."
     if st.skip_all:
@@ -333,7 +252,7 @@ def stage_ended(learn, sc, st) -> None:
         return
     rec = getattr(learn, "recorder", None)
     if rec is not None and hasattr(rec, "values"):  # the stage's numbers travel in every later checkpoint
-        note(learn, "stage", result=_recorder_values(rec))
+        note(learn, "stage", result=trainstate.recorder_numbers(rec))
     stem = st.end_stem()
     if stem is None:
         sc.ends.append(None)
@@ -343,10 +262,11 @@ def stage_ended(learn, sc, st) -> None:
     box: dict = {}
 
     def build():
-        tree = _end_tree(learn, sc, st)
-        if tree is not None:
-            box["token"] = tree["end"]["token"]
-        return tree
+        end = trainstate.end_tree(learn, st)  # collective under DDP
+        if end is None:
+            return None
+        box["token"] = end["token"]
+        return {**checkpoint.model_tree(learn, with_opt=True), "end": end}
 
     try:
         checkpoint.commit(build, path)
@@ -366,8 +286,7 @@ def _restore(learn, sc, st) -> None:
     """A rerun has skipped stage `st`: the learner becomes what it was when the uninterrupted run ended
     it, or, where that state was not saved, is marked as not holding it (said now, loudly)."""
     a = sc.armed
-    ends = a.ends if a is not None else []
-    ref = ends[st.index] if st.index < len(ends) else None
+    ref = a.ends[st.index] if st.index < len(a.ends) else None
     why = None
     if ref is None:
         why = (
@@ -381,8 +300,10 @@ def _restore(learn, sc, st) -> None:
             end = tree.get("end")
             if not isinstance(end, dict) or end.get("token") != ref["token"]:
                 raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")
-            _validate_end(end, path)
-            _apply(learn, path, tree)
+            trainstate.validate_end(end, path, len(list(learn.model.parameters())))
+            checkpoint.load_tree(learn, path, tree, getattr(learn.dls, "device", None), True, True)
+            trainstate.restore_end(learn, end)
+            _print_rows(learn, end)
         except (CheckpointError, OSError) as e:
             why = f"holds the state of {a.path.name}, not stage {st.index}'s end: {e}"
     sc.ends.append(ref if why is None else None)
@@ -390,7 +311,7 @@ def _restore(learn, sc, st) -> None:
     if numbers is not None:
         _emit(learn, numbers)
         if why is not None:  # at least the Recorder's numbers of the stage are the uninterrupted run's
-            _set_recorder_values(learn, numbers.get("result"))
+            trainstate.set_recorder_numbers(learn, numbers.get("result"))
     if ref is not None and why is None:
         a.divergent = None
         a.model_moved = True
@@ -399,60 +320,17 @@ def _restore(learn, sc, st) -> None:
     a.divergent = why
     warnings.warn(
         f"fastai_resume: after skipping stage {st.index} ({st.method}) this learner {why}. Until the resumed "
-        "stage starts, validate, get_preds, lr_find, save, save_encoder and export refuse where the "
-        "uninterrupted run's result is not known from the checkpoint.",
+        "stage starts, a between-stage call the uninterrupted run made here and whose result is not known "
+        "from the checkpoint (a save of a file that is gone or changed, get_preds) is refused.",
         stacklevel=4,
     )
 
 
-def _validate_end(end: dict, path) -> None:
-    def need(ok, what):
-        if not ok:
-            raise CheckpointError(f"{path}: malformed stage end: {what}")
-
-    for k in ("rng", "loaders", "callbacks", "grad_set", "learner", "rows"):
-        need(k in end, f"missing {k!r}")
-    try:
-        checkpoint.validate_rng(end["rng"], "end.rng")
-        for i, ld in enumerate(end["loaders"]):
-            checkpoint.validate_loader(ld, f"end.loaders[{i}]")
-        checkpoint.validate_recorder(end.get("recorder"), "end.recorder")
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    need(isinstance(end["callbacks"], dict), "callbacks: expected a dict")
-    need(isinstance(end["grad_set"], list) and all(isinstance(b, bool) for b in end["grad_set"]), "grad_set")
-    need(isinstance(end["learner"], dict), "learner: expected a dict")
-    need(isinstance(end["rows"], list) and all(isinstance(r, list) for r in end["rows"]), "rows")
-
-
-def _apply(learn, path, tree) -> None:
-    end = checkpoint.rank_view(tree["end"])
-    n = len(list(learn.model.parameters()))
-    if len(end["grad_set"]) != n:
-        raise CheckpointError(f"{path}: {len(end['grad_set'])} gradient flags, the model has {n} parameters")
-    checkpoint.load_tree(learn, path, tree, getattr(learn.dls, "device", None), True, True)
-    state.set_rng_state(end["rng"])
-    for dl, ld in zip(learn.dls.loaders, end["loaders"]):
-        loaders.restore(dl, ld)
+def _print_rows(learn, end) -> None:
+    "The skipped stage's table, as the uninterrupted run printed it (the header where a progress bar wrote one)."
     rec = end.get("recorder")
-    if rec is not None and getattr(learn, "recorder", None) is not None:
-        state.set_recorder_state(learn, rec)
-        from fastcore.foundation import L
-
-        learn.recorder.metric_names = L(rec.get("metric_names", []))
-        learn.recorder.log = L(rec.get("log", []))
-    state.set_between_stage_states(learn, end["callbacks"])
-    state.set_grads(learn.model, end["grad_set"], None)
-    learn.model.train(bool(end.get("training", False)))
-    for k, v in end["learner"].items():
-        if k == "final_record":
-            from fastcore.foundation import L
-
-            v = L(v)
-        setattr(learn, k, v)
-    names = rec.get("metric_names") if rec is not None else None
-    progress = sys.modules.get("fastai.callback.progress")
-    if end["rows"] and names and progress and any(isinstance(c, progress.ProgressCallback) for c in learn.cbs):
-        state.print_row(learn, list(names))  # the table's header, as ProgressCallback writes it at a fit's start
+    names = rec.get("metric_names") if isinstance(rec, dict) else None
+    if end["rows"] and names and any(is_a(c, "fastai.callback.progress", "ProgressCallback") for c in learn.cbs):
+        state.print_row(learn, list(names))
     for row in end["rows"]:
         state.print_row(learn, row)

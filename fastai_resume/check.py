@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import _core
-from .script import DISARM_HOOKS, script
+from .script import DISARM_HOOKS, STAGE_BEGIN_HOOKS, script
 
 __all__ = ["check", "CheckResult", "ENV", "probe_for"]
 
@@ -81,7 +81,22 @@ def note_disarm(why: str) -> None:
     _append({"disarm": why})
 
 
+def _stage_begins(learn, stage) -> None:
+    """Under `fastai-resume check`: the resumed run loads the check's checkpoint at its first stage, and
+    every run keeps each stage's end state in the check's own folder (removed with it)."""
+    if not os.environ.get(ENV):
+        return
+    if os.environ[ENV] == "resume" and stage.index == 0 and script(learn).armed is None:
+        learn.load(CKPT)
+        armed = script(learn).armed
+        if armed is not None:
+            armed.path.unlink()
+    if os.environ.get(ENV_DIR):
+        stage.saved_in(Path(os.environ[ENV_DIR]), CKPT, auto=True)
+
+
 DISARM_HOOKS.append(note_disarm)
+STAGE_BEGIN_HOOKS.append(_stage_begins)
 
 
 def digest(v) -> int:

@@ -8,16 +8,14 @@ others. A decision that could differ between ranks (a time-based checkpoint, a S
 rank first, a failed background save) is agreed with one small all-reduce, so that every rank
 saves, or stops, at the same batch.
 
-Also makes fastai's `DistributedDL` work on the CPU (gloo): fastai broadcasts the epoch's index
-list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU here.
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as D
+
+from .fastai_classes import is_a
 
 __all__ = [
     "active",
@@ -26,7 +24,6 @@ __all__ = [
     "gather",
     "broadcast",
     "agree_any",
-    "patch_distributed_dl",
     "unwrap_dl",
     "is_distributed_dl",
 ]
@@ -88,9 +85,8 @@ def agree_any(flags: int) -> int:
 
 
 def is_distributed_dl(dl) -> bool:
-    "Is `dl` fastai's `DistributedDL` (or a subclass)? Without fastai.distributed loaded, it cannot be."
-    mod = sys.modules.get("fastai.distributed")
-    return mod is not None and isinstance(dl, mod.DistributedDL)
+    "Is `dl` fastai's `DistributedDL` (or a subclass)?"
+    return is_a(dl, "fastai.distributed", "DistributedDL")
 
 
 def unwrap_dl(dl):
@@ -98,21 +94,3 @@ def unwrap_dl(dl):
     while is_distributed_dl(dl) and hasattr(dl, "dl"):
         dl = dl.dl
     return dl
-
-
-def _broadcast_idxs(self, t, src):
-    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL."
-    dev = torch.device("cuda", torch.cuda.current_device()) if D.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor(t, dtype=torch.long, device=dev)
-    D.broadcast(t, src)
-    return t.cpu().tolist()
-
-
-def patch_distributed_dl() -> None:
-    "Called at a fit's or validation's start under a process group: fix fastai's CUDA-only broadcast."
-    mod = sys.modules.get("fastai.distributed")
-    if mod is None:
-        return
-    ddl = mod.DistributedDL
-    if getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs":
-        ddl._broadcast = _broadcast_idxs

@@ -22,17 +22,23 @@ import inspect
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as D
 from fastai.callback.core import CancelEpochException, event
-from fastai.learner import Learner, load_model, save_model
+from fastai.learner import Learner, Recorder, load_model, save_model
 from fastai.torch_core import rank_distrib
 from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import _core, between, check, checkpoint, dist, io, loaders, paths, state
+from . import between, checkpoint, dist, io, paths, state
 from ._hooks import imported
+from .compat import check_fastai_version
+from .fastai_classes import fastai_class, is_a
 from .io import CheckpointError
-from .session import Armed, FitPlan, ResumeSession, script, session_of, stage_call
+from .script import Armed, script, session_of
+from .session import ResumeSession, run_fit
+from .stages import stage_call
 
 __all__ = ["apply"]
 
@@ -40,98 +46,7 @@ _WRAPPERS = ("fit_one_cycle", "fit_flat_cos", "fit_sgdr", "fine_tune")
 
 
 def _is_lr_find(cbs) -> bool:
-    return any(type(c).__name__ == "LRFinder" for c in L(cbs))
-
-
-def _check_same_fit(learn, pos, n_epoch):
-    "A resumed fit must be the fit that was saved, or the result silently changes."
-    ws_saved, ws = pos["world_size"], dist.world()
-    if ws_saved != ws:
-        raise ValueError(
-            f"this checkpoint was saved by a fit of {ws_saved} process(es) and this fit runs {ws}: each rank's "
-            f"position, RNG state and share of the data belong to {ws_saved}. Launch {ws_saved} processes to "
-            f"resume exactly; or pass start_epoch (and start_iter) to continue anyway from the checkpoint's "
-            f"model and optimizer, re-sharded for {ws} (not the uninterrupted run's result); or resume=False "
-            "to start over."
-        )
-    diffs = []
-    if pos["n_epoch"] != n_epoch:
-        diffs.append(f"n_epoch {pos['n_epoch']} -> {n_epoch}")
-    n_all, now = pos["n_iter_all"], len(dist.unwrap_dl(learn.dls.train))
-    if n_all != now:
-        diffs.append(f"batches per epoch {n_all} -> {now}")
-    bs = loaders.batch_size(learn.dls.train)
-    if pos["bs"] != bs:
-        diffs.append(f"batch size {pos['bs']} -> {bs}")
-    if diffs:
-        raise ValueError(
-            "this fit differs from the one that was saved (" + ", ".join(diffs) + "), so resuming "
-            "it would not give the result of the uninterrupted run. Fit as before, or pass "
-            "start_epoch/start_iter to resume anyway, or resume=False to start over."
-        )
-
-
-def _run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_iter, resume):
-    "One fit of stage `st`: skipped, resumed or run, with its `ResumeSession`."
-    fit_index = st.fits
-    st.fits += 1
-    if not start_epoch:
-        start_epoch = st.start_epoch
-    if start_iter is None:
-        start_iter = st.start_iter
-    resume = resume and st.resume
-    explicit = bool(start_epoch) or start_iter is not None
-    if not resume:
-        sc.disarm("resume=False")
-    a = sc.armed
-    if a is not None and not explicit:
-        if st.skip_all:
-            return  # the whole stage is done (Stage.begin said so)
-        if fit_index < a.position["fit_index"]:
-            print(f"fastai_resume: skipping fit {fit_index} of stage {st.index} (finished before the save)")
-            return
-    saved = a.train if a is not None else None
-    pos = saved["position"] if saved else None
-    target = _core.skip_plan(
-        saved is not None,
-        pos["epoch"] if saved else 0,
-        pos["iter"] if saved else 0,
-        start_epoch if start_epoch else -1,
-        -1 if start_iter is None else start_iter,
-    )
-    if saved is not None and not explicit:
-        _check_same_fit(learn, pos, n_epoch)  # raises: still armed
-    if a is not None:  # consumed by this fit: the log of the calls replayed before it is the script's own again
-        sc.log = [ev for ev in a.log if ev["at"] <= st.index]
-    sc.armed = None
-    if explicit and saved is not None and (target != (pos["epoch"], pos["iter"]) or pos["world_size"] != dist.world()):
-        saved = None  # another position or sharding: the model and optimizer, not the saved state
-    s = ResumeSession(
-        FitPlan(
-            st,
-            fit_index,
-            saved,
-            target,
-            a.path if a is not None else None,
-            a.opt if saved is not None else None,
-            a.fast_forward if a is not None else False,
-            a.model if saved is not None and a.model_moved else None,
-        )
-    )
-    sc.session = s
-    sc.fit_depth += 1
-    try:
-        probe = check.probe_for(learn)  # only under `fastai-resume check`
-        learn._orig_fit(n_epoch, lr=lr, wd=wd, cbs=L(s) + L(cbs) + L(probe), reset_opt=reset_opt, start_epoch=0)
-        st.rows += s.rows
-    except BaseException:
-        from .session import Interrupted
-
-        sc.interrupted = Interrupted(st.index, getattr(learn, "epoch", 0), getattr(learn, "iter", 0))
-        raise
-    finally:
-        sc.fit_depth -= 1
-        sc.session = None
+    return any(is_a(c, "fastai.callback.schedule", "LRFinder") for c in L(cbs))
 
 
 # ---- the patches --------------------------------------------------------------------------------
@@ -141,13 +56,13 @@ def _run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_
 def _call_one(self: Learner, event_name):
     "fastai's `_call_one`; inside a resumable fit, through the session (so a save can complete the event)."
     if event_name in ("before_fit", "before_validate") and dist.active():
-        dist.patch_distributed_dl()
+        _patch_distributed_dl()
     s = session_of(self)
     if s is None:
         return self._orig__call_one(event_name)
     if not hasattr(event, event_name):
         raise Exception(f"missing {event_name}")
-    s.run_event(self, event_name)
+    s.frames.run(self, event_name)
 
 
 @patch
@@ -333,7 +248,7 @@ def fit(
         return run() if sc.fit_depth or sc.stage is not None else between.lr_find_fit(self, run)
     bound = _FIT_SIG.bind(self, n_epoch, lr, wd, cbs, reset_opt, start_epoch)
     with stage_call(self, "fit", bound, start_epoch, start_iter, resume, cbs=L(cbs)) as st:
-        return _run_fit(self, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_iter, resume)
+        return run_fit(self, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_iter, resume)
 
 
 _FIT_SIG = inspect.signature(Learner._orig_fit)
@@ -574,12 +489,35 @@ def _patch_schedule() -> None:
         _wrap_fit_method(name)
 
 
+# ---- elsewhere in fastai ----------------------------------------------------------------------
+
+
+def _broadcast_idxs(self, t, src):
+    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL."
+    dev = torch.device("cuda", torch.cuda.current_device()) if D.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(t, dtype=torch.long, device=dev)
+    D.broadcast(t, src)
+    return t.cpu().tolist()
+
+
+def _patch_distributed_dl() -> None:
+    """At a fit's or validation's start under a process group: fastai's `DistributedDL` broadcasts each
+    epoch's index list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU."""
+    ddl = fastai_class("fastai.distributed", "DistributedDL")
+    if ddl is not None and getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs":
+        ddl._broadcast = _broadcast_idxs
+
+
+def _install_lazy_losses() -> None:
+    "`Recorder.losses` restored from a checkpoint is rebuilt on its first read (`state.RecorderLosses`)."
+    if not isinstance(Recorder.__dict__.get("losses"), state.RecorderLosses):
+        Recorder.losses = state.RecorderLosses()
+
+
 def apply() -> None:
     "Once per process: the lazy Recorder losses, and the fit wrappers as soon as fastai defines them."
-    from .compat import check_fastai_version
-
     check_fastai_version()
-    state.install_lazy_losses()
+    _install_lazy_losses()
     _cover_subclasses()
     if imported("fastai.callback.schedule"):
         _patch_schedule()  # else `fastai_resume/__init__`'s hook does it

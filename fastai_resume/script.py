@@ -13,9 +13,11 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Script", "Armed", "Interrupted", "AutosaveRun", "script", "session_of", "DISARM_HOOKS"]
+__all__ = ["Script", "Armed", "Interrupted", "script", "session_of", "STAGE_BEGIN_HOOKS", "DISARM_HOOKS"]
 
-DISARM_HOOKS: list = []  # called with the reason when an armed resume is cancelled (`fastai-resume check`)
+# Those who act on the script register here, rather than being looked up by it:
+STAGE_BEGIN_HOOKS: list = []  # `hook(learn, stage)` as a stage begins: `fastai-resume check`, AutoCheckpoint
+DISARM_HOOKS: list = []  # `hook(why)` when an armed resume is cancelled: `fastai-resume check`
 
 
 class Armed:
@@ -51,22 +53,13 @@ class Interrupted:
     iter: int
 
 
-class AutosaveRun:
-    """What one AutoCheckpoint run has done in this process: whether it has autoresumed (once per process,
-    again after an interrupted fit) and the attempt number its files carry."""
-
-    def __init__(self):
-        self.resumed = False
-        self.attempt: int | None = None
-
-
 class Script:
     "What fastai_resume knows about one Learner's training script (kept outside the Learner)."
 
     def __init__(self):
         self.armed: Armed | None = None
         self.signatures: list = []  # of the stages finished in this process
-        self.stage = None  # the `session.Stage` in progress  # the top-level call in progress
+        self.stage = None  # the `stages.Stage` in progress: the top-level call
         self.session = None  # the `session.ResumeSession` of the fit in progress  # the fit in progress
         self.fit_depth = 0  # fits in progress (a resumable one, and any fit run inside it or by lr_find)
         self.interrupted: Interrupted | None = None
@@ -75,12 +68,6 @@ class Script:
         # AutoCheckpoint runs of this script, by (folder, fname, run id): shared by every instance of
         # one run (a new AutoCheckpoint passed to each fit call is the same run, its files named alike).
         self.autosave_runs: dict = {}
-
-    def autosave_run(self, key) -> AutosaveRun:
-        run = self.autosave_runs.get(key)
-        if run is None:
-            run = self.autosave_runs[key] = AutosaveRun()
-        return run
 
     def disarm(self, why: str | None = None) -> None:
         if self.armed is not None and why:

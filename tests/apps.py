@@ -37,7 +37,7 @@ import pandas as pd
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import fastai_resume  # noqa: E402
-import fastai_resume.session  # noqa: E402
+import fastai_resume.script  # noqa: E402
 from fastai_resume.between import file_crc  # noqa: E402
 
 STAGE = [0]  # the script's stage counter (over both learners of `text`)
@@ -105,7 +105,7 @@ class Stages:
             order = 120
 
             def after_batch(self):
-                sc = fastai_resume.session.script(self.learn)
+                sc = fastai_resume.script.script(self.learn)
                 if die is None or not self.training or sc.stage is None:
                     return
                 if (STAGE[0] + sc.stage.index, self.epoch, self.iter + 1) != die:
@@ -128,12 +128,12 @@ class Stages:
         if self.a.resume == "manual" and os.path.exists(os.path.join("models", name + ".frk")):
             learn.load(name)
             if self.a.break_rng:  # negative control: resume without the saved RNG state
-                tr = fastai_resume.session.script(learn).armed.train
+                tr = fastai_resume.script.script(learn).armed.train
                 tr["rng"] = tr["rng_epoch"] = fastai_resume.state.rng_state()
         return learn
 
     def done(self, learn):
-        STAGE[0] += len(fastai_resume.session.script(learn).signatures)
+        STAGE[0] += len(fastai_resume.script.script(learn).signatures)
 
 
 def values(tag, v):

@@ -41,7 +41,7 @@ def test_vanilla_fastai_pth_still_loads_exactly_as_fastai_loads_it(tmp_path):
     fresh = build(tmp_path)
     fresh.load("plain")
     assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
-    assert fr.session.script(fresh).armed is None
+    assert fr.script.script(fresh).armed is None
 
 
 def test_format_is_detected_by_magic_not_by_name(tmp_path):
@@ -79,7 +79,7 @@ def test_save_outside_fit_carries_no_position(tmp_path):
     assert fr.load(tmp_path / "models" / "m.frk")["train"] is None
     fresh = build(tmp_path)
     fresh.load("m")
-    assert fr.session.script(fresh).armed is None
+    assert fr.script.script(fresh).armed is None
     with fresh.no_bar(), fresh.no_logging():
         fresh.fit(1, 1e-3)
     assert len(fresh.recorder.losses) == len(fresh.dls.train)  # nothing skipped
@@ -319,7 +319,7 @@ def test_a_subclass_whose_own_load_reads_the_file_itself_never_gets_our_file_and
     fresh.__class__ = PickleLoader
     with pytest.warns(UserWarning, match="PickleLoader.load is its own and does not call Learner.load"):
         fresh.load("m")
-    assert opened == [] and fr.session.script(fresh).armed is not None
+    assert opened == [] and fr.script.script(fresh).armed is not None
     assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
     learn.save("plain")
     fresh.load("plain")
@@ -337,9 +337,9 @@ def test_a_subclass_whose_load_calls_super_gets_the_resume_arguments_through(tmp
     fresh = build(tmp_path)
     fresh.__class__ = Polite
     fresh.load("m", resume=False)
-    assert fr.session.script(fresh).armed is None
+    assert fr.script.script(fresh).armed is None
     fresh.load("m")
-    assert fr.session.script(fresh).armed is not None
+    assert fr.script.script(fresh).armed is not None
 
 
 def test_a_subclass_save_that_drops_with_iter_is_refused_loudly(tmp_path):

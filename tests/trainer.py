@@ -32,7 +32,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import fastai_resume  # noqa: E402  (patches fastai)
 import fastai_resume.loaders  # noqa: E402
-import fastai_resume.session  # noqa: E402
+import fastai_resume.script  # noqa: E402
 
 
 class Noise:
@@ -216,10 +216,10 @@ def main(argv=None):
     if a.resume:
         learn.load(a.resume)
         if a.break_data_order:
-            train = fastai_resume.session.script(learn).armed.train
+            train = fastai_resume.script.script(learn).armed.train
             train["loaders_epoch"] = [fastai_resume.loaders.capture(dl) for dl in learn.dls.loaders]
         if a.shared_rng:
-            fastai_resume.session.script(learn).armed.train["ranks"] = None
+            fastai_resume.script.script(learn).armed.train["ranks"] = None
     shown = shown_warnings() if a.show_warnings else contextlib.nullcontext()
     with shown, learn.no_bar(), learn.distrib_ctx(cpu=True) if a.ddp else contextlib.nullcontext():
         if a.method == "fit_one_cycle":

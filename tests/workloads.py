@@ -45,7 +45,7 @@ from fasttransform import Transform  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import fastai_resume  # noqa: E402
-import fastai_resume.session  # noqa: E402
+import fastai_resume.script  # noqa: E402
 from fastai_resume.between import file_crc  # noqa: E402
 
 
@@ -57,12 +57,12 @@ class SaveAndDie(Callback):
         self.at, self.do_save, self.order, self.event = at, save, order, event
 
     def after_epoch(self):
-        sc = fastai_resume.session.script(self.learn)
+        sc = fastai_resume.script.script(self.learn)
         if self.event == "after_epoch" and sc.stage is not None and (sc.stage.index, self.epoch) == self.at[:2]:
             self._die()
 
     def after_batch(self):
-        sc = fastai_resume.session.script(self.learn)
+        sc = fastai_resume.script.script(self.learn)
         if sc.stage is None or sc.session is None or self.event == "after_epoch":
             return
         if self.training != (self.event == "after_batch"):
@@ -391,7 +391,7 @@ def main(argv=None):
     if a.load:
         learn.load(a.load, fast_forward=a.fast_forward)
         if a.break_order:
-            tr = fastai_resume.session.script(learn).armed.train
+            tr = fastai_resume.script.script(learn).armed.train
             tr["loaders_epoch"] = [
                 dict(st, order=list(range(len(st["order"])))) if "order" in st else st for st in tr["loaders_epoch"]
             ]
