@@ -195,6 +195,30 @@ def _trace(path) -> tuple:
     return out, between, disarms
 
 
+def _where(at: int, op: str) -> str:
+    if op == "stage":
+        return f"at the end of stage {at}"
+    return f"after stage {at - 1}" if at else "before stage 0"
+
+
+def _first_between_difference(ref: list, res: list) -> str | None:
+    "What the first between-stage call (save, load, validate, lr_find, export, a stage's numbers) that differs is."
+    for want, got in zip(ref, res):
+        if want != got:
+            at, op, file, _ = want
+            return (
+                f"between stages ({_where(at, op)}): {op}{' of ' + file if file else ''} differs from the "
+                f"uninterrupted run's ({got[1]}{' of ' + got[2] if got[2] else ''} in the resumed run): what the "
+                "script reads or writes between its stages is not what the uninterrupted run had there"
+            )
+    if len(ref) != len(res):
+        return (
+            f"between stages: the uninterrupted run made {len(ref)} calls (save, load, validate, lr_find, export, "
+            f"stage ends), the resumed run {len(res)}"
+        )
+    return None
+
+
 def _run(cmd, cwd, env, mode, trace, batches):
     e = dict(env, **{ENV: mode, ENV_TRACE: str(trace), ENV_BATCHES: str(batches), ENV_DIR: str(Path(trace).parent)})
     return subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True)
@@ -251,23 +275,6 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
                 f"the resumed run failed (exit {p.returncode}): {(p.stderr or p.stdout).strip().splitlines()[-1:]}",
                 kill_at,
             )
-        for want, got in zip(ref_between, res_between):
-            if want != got:
-                at, op, file, _ = want
-                return CheckResult(
-                    False,
-                    f"between stages (after stage {at - 1}): {op}{' of ' + file if file else ''} differs from the "
-                    f"uninterrupted run's ({got[1]}{' of ' + got[2] if got[2] else ''} in the resumed run): what the "
-                    "script reads or writes between its stages is not what the uninterrupted run had there",
-                    kill_at,
-                )
-        if len(ref_between) != len(res_between):
-            return CheckResult(
-                False,
-                f"between stages: the uninterrupted run made {len(ref_between)} calls (save, load, validate, "
-                f"lr_find, export), the resumed run {len(res_between)}",
-                kill_at,
-            )
         for key in sorted(ref):
             if tuple(key[:1] + key[2:]) < (s, e, i):
                 continue
@@ -287,6 +294,9 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
                         f"batch {key[3]}: {field}. Likely cause: {_CAUSES[field]}.",
                         kill_at,
                     )
+        bad = _first_between_difference(ref_between, res_between)
+        if bad:
+            return CheckResult(False, bad, kill_at)
         extra = sorted(set(res) - set(ref))
         if extra:
             return CheckResult(

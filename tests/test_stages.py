@@ -115,7 +115,7 @@ def test_a_five_stage_script_killed_in_any_stage_is_the_uninterrupted_run_at_eve
     or AutoCheckpoint), every printed value, every file and the final state are the uninterrupted run's,
     and no file the uninterrupted run wrote is written again with other bytes."""
     args = (*FIVE, *FIVE_WAYS[how])
-    ref = workload_reference(tmp_root, "digits", *args)
+    ref = workload_reference(tmp_root, "block", *args)
     rerun = ("--load", "crash") if how == "load" else ()
     killed = {}
 
@@ -125,9 +125,9 @@ def test_a_five_stage_script_killed_in_any_stage_is_the_uninterrupted_run_at_eve
             if p.suffix in (".pth", ".pkl"):
                 killed[p.name] = p.read_bytes()
 
-    run_workload("digits", tmp_path, tmp_path / "dead.frk", "--die", FIVE_KILLS[where], *args, expect=-9)
+    run_workload("block", tmp_path, tmp_path / "dead.frk", "--die", FIVE_KILLS[where], *args, expect=-9)
     snapshot_files()
-    log = run_workload("digits", tmp_path, tmp_path / "out.frk", *args, *rerun)
+    log = run_workload("block", tmp_path, tmp_path / "out.frk", *args, *rerun)
     res = fr.load(tmp_path / "out.frk")
     stage = int(FIVE_KILLS[where][0])
     assert log.count("restored as it ended") == stage and "cancelled" not in log
@@ -145,9 +145,9 @@ def test_a_rerun_that_cannot_have_a_stages_end_state_refuses_before_it_writes(tm
     uninterrupted run from the checkpoint's log, and refuses `learn.save('stage0')`: nothing is written
     from a state that is not the uninterrupted run's."""
 
-    run_workload("digits", tmp_path, tmp_path / "dead.frk", "--die", "2,0,8", *FIVE, expect=-9)
+    run_workload("block", tmp_path, tmp_path / "dead.frk", "--die", "2,0,8", *FIVE, expect=-9)
     (tmp_path / "models" / "stage0.pth").unlink()
-    log = run_workload("digits", tmp_path, tmp_path / "out.frk", *FIVE, "--load", "crash", expect=1)
+    log = run_workload("block", tmp_path, tmp_path / "out.frk", *FIVE, "--load", "crash", expect=1)
     assert "not stage 0's end: no resumable checkpoint was saved in that stage" in log
     assert "VALUES stage-0" in log and "VALUES valid-0" in log
     assert "ReplayError" in log and "learn.save('stage0')" in log and "nothing was written" in log

@@ -10,7 +10,8 @@ PIPELINE: `lm` (LMDataLoader(shuffle=True) and an AWD-LSTM language model with f
 IterableDataset with / without state_dict), `stream-fastai` (the stream with state_dict through fastai's
 DataLoader(indexed=False, n=...): an epoch of n items), `sorted` (fastai's SortedDL, the text
 classifier's training loader), `tfmd` (a TfmdDL over a plain list with a random after_batch
-transform), `digits` (an MLP; with --train-metrics and --die-order).
+transform), `digits` (an MLP; with --train-metrics and --die-order), `block` (the digits through a
+DataBlock, whose loaders `learn.export` can pickle).
 RECIPE: `one` (fit_one_cycle(3)), `stages` (the ULMFiT-style script: lr_find, fit_one_cycle,
 freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger) or `five` (five stages with
 what scripts do between them: prints, validate, save, load, lr_find, export; `five_stages`).
@@ -188,7 +189,21 @@ def build(a):
     set_seed(42)
     xs, ys = digits()
     cbs, kw, splitter = [], {}, None
-    if a.pipeline in ("digits", "torch", "stream", "stream-nostate", "stream-fastai", "tfmd", "sorted"):
+    if a.pipeline == "block":  # a DataBlock's loaders (what `learn.export` needs), digits as tensors
+        from fastai.data.block import CategoryBlock, DataBlock, TransformBlock
+        from fastai.data.transforms import IndexSplitter, ItemGetter
+
+        items = list(zip(xs[:720], ys[:720].tolist()))
+        block = DataBlock(
+            blocks=(TransformBlock, CategoryBlock),
+            get_x=ItemGetter(0),
+            get_y=ItemGetter(1),
+            splitter=IndexSplitter(range(600, 720)),
+        )
+        dls = block.dataloaders(items, bs=32, path=a.path, device="cpu", drop_last=True)
+        model, splitter, loss = mlp(), mlp_split, CrossEntropyLossFlat()
+        kw["metrics"] = accuracy
+    elif a.pipeline in ("digits", "torch", "stream", "stream-nostate", "stream-fastai", "tfmd", "sorted"):
         n = 600
         tr, va = (xs[:n], ys[:n]), (xs[1500:], ys[1500:])
         if a.pipeline == "digits":
