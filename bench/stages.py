@@ -28,6 +28,7 @@ import common  # noqa: E402
 def child(a):
     "The training script (killed in stage `k`, or run again with `learn.load('crash')` at the top)."
     sys.path.insert(0, os.path.join(HERE, ".."))
+    import fastai.callback.schedule  # noqa: F401
     import torch
     from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
@@ -36,7 +37,6 @@ def child(a):
     from fastai.torch_core import set_seed
     from torch import nn
 
-    import fastai.callback.schedule  # noqa: F401
     import fastai_resume as fr
 
     set_seed(0)
@@ -51,7 +51,7 @@ def child(a):
         order = 100
 
         def after_batch(self):
-            sc = fr.session.script(self.learn)
+            sc = fr.script.script(self.learn)
             if not self.training:
                 return
             if "first" not in t and "start" in t:

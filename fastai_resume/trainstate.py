@@ -504,7 +504,6 @@ def recorder_numbers(rec) -> dict:
     return {
         "values": state.plain([list(v) for v in rec.values]),
         "metric_names": [str(n) for n in getattr(rec, "metric_names", [])],
-        "log": state.plain(list(getattr(rec, "log", []))),
     }
 
 
@@ -517,7 +516,6 @@ def set_recorder_numbers(learn, v) -> None:
         raise CheckpointError("malformed training state: train.script.log[].result.values: expected a list of lists")
     rec.values = [L(r) for r in vals]
     rec.metric_names = L(v.get("metric_names") or [])
-    rec.log = L(v.get("log") or [])
     if rec.values:
         learn.final_record = rec.values[-1].copy()
 
@@ -531,7 +529,7 @@ def end_tree(learn, st) -> dict | None:
         "loaders": [loaders.capture(dl) for dl in learn.dls.loaders],
         "recorder": None
         if rec is None or not hasattr(rec, "values")
-        else {**state.recorder_state(rec), **recorder_numbers(rec)},
+        else {**state.recorder_state(rec), **recorder_numbers(rec), "log": state.plain(list(getattr(rec, "log", [])))},
     }
     ranks = dist.gather(mine) if dist.active() else None
     if dist.rank() != 0:
@@ -597,6 +595,7 @@ def restore_end(learn, end: dict) -> None:
     if rec is not None and getattr(learn, "recorder", None) is not None:
         state.set_recorder_state(learn, rec)
         set_recorder_numbers(learn, rec)
+        learn.recorder.log = L(rec.get("log") or [])
     callbacks.set_between_stage_states(learn, end["callbacks"])
     state.set_grads(learn.model, end["grad_set"], None)
     learn.model.train(bool(end.get("training", False)))

@@ -333,7 +333,8 @@ def five_stages(learn, a, fit_cbs):
     learn.unfreeze()
     learn.fit_one_cycle(1, float(sug.valley), cbs=fit_cbs())  # stage 2, at the suggested rate
     show("stage-2", learn.recorder.values[-1])
-    learn.export("stage2.pkl")
+    with learn.removed_cbs(learn.csv_logger):  # fastai cannot pickle the logger's closed file
+        learn.export("stage2.pkl")
     learn.fit(1, 1e-4, cbs=fit_cbs())  # stage 3
     show("stage-3", learn.recorder.values[-1])
     show("losses-3", learn.recorder.losses[-3:])
