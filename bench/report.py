@@ -1,9 +1,9 @@
-"""The README's benchmark figures, generated from the JSON files `make bench` writes into
-bench/results/: each benchmark's table sits in README.md between `<!-- bench:NAME -->` and
+"""The benchmark figures of docs/benchmarks.md, generated from the JSON files `make bench` writes into
+bench/results/: each benchmark's table sits in docs/benchmarks.md between `<!-- bench:NAME -->` and
 `<!-- /bench:NAME -->`, and nothing between them is written by hand.
 
-    python bench/report.py           # rewrite those blocks of README.md from bench/results/*.json
-    python bench/report.py --check   # exit 1 if README.md differs from what the files give
+    python bench/report.py           # rewrite those blocks of docs/benchmarks.md from bench/results/*.json
+    python bench/report.py --check   # exit 1 if docs/benchmarks.md differs from what the files give
     python bench/report.py --reproduces OLD_DIR  # which figures of an earlier run's files this run's reproduce
     python bench/report.py --merge DIR1 DIR2 ... # pool the rounds of several runs into bench/results/
 
@@ -19,7 +19,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-README = os.path.join(HERE, "..", "README.md")
+README = os.path.join(HERE, "..", "docs", "benchmarks.md")  # the page the tables live in
 sys.path.insert(0, HERE)
 import common  # noqa: E402  (statistics of rounds; torch only inside common.machine)
 

@@ -270,3 +270,11 @@ def test_a_full_disk_with_nothing_left_to_remove_is_an_error_that_says_what_to_d
     assert folder == str(models) and kept == resumes == files[0].name and name > kept
     assert _int(needed) > _int(free) and abs(_int(needed) - sizes[0]) < 0.001 * _int(needed)
     assert "AutoCheckpoint: the disk is full" not in p.stdout  # nothing was removed: no notice of a retry
+
+
+def test_the_lock_file_is_gone_when_the_script_ends(tmp_path):
+    "A killed run leaves its lock file (the lock itself dies with it); the rerun takes it over, and removes it at its end."
+    run(tmp_path, tmp_path / "a.frk", "--auto", "10", "--epochs", "1", "--die-at", "0,20", expect_kill=True)
+    assert list((tmp_path / "models").glob(".auto-*.lock"))
+    run(tmp_path, tmp_path / "b.frk", "--auto", "10", "--epochs", "1")
+    assert not list((tmp_path / "models").glob(".auto-*.lock"))

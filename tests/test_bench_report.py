@@ -1,4 +1,4 @@
-"""The README's benchmark figures are generated from bench/results/*.json by bench/report.py:
+"""The benchmark figures (docs/benchmarks.md) are generated from bench/results/*.json by bench/report.py:
 every block matches its file, and a figure edited by hand is caught."""
 
 import os
@@ -11,11 +11,11 @@ import report  # noqa: E402
 
 
 def readme():
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
         return f.read()
 
 
-def test_every_benchmark_result_file_has_its_block_in_the_readme_and_each_block_matches_its_file():
+def test_every_benchmark_result_file_has_its_block_on_the_benchmarks_page_and_each_block_matches_its_file():
     assert report.problems(readme()) == []
 
 

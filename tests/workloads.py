@@ -327,6 +327,8 @@ def five_stages(learn, a, fit_cbs):
     learn.save("stage1")
     learn = learn.load("stage0")
     show("valid-stage0", learn.validate())
+    if a.branch_on_files and os.path.exists(os.path.join(a.path, "stage2.pkl")):
+        learn = learn.load("stage0")  # a script that branches on what its folder holds: a rerun goes another way
     learn = learn.load("stage1")
     sug = learn.lr_find(num_it=12, show_plot=False)
     show("lr_find-2", list(sug))
@@ -384,6 +386,7 @@ def main(argv=None):
     ap.add_argument("--auto", type=int, default=0)
     ap.add_argument("--auto-per-fit", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=0, help="a user's callback saving `crash` every N batches")
+    ap.add_argument("--branch-on-files", action="store_true", help="five: a between-stage load decided by the folder")
     ap.add_argument("--csv-append", action="store_true")
     ap.add_argument("--no-lr-find", action="store_true")
     ap.add_argument("--train-metrics", action="store_true")
