@@ -220,8 +220,8 @@ def lr_find_fit(learn, run):
     if ev is not None and isinstance(ev.get("result"), dict):
         res = ev["result"]
         try:
-            checkpoint.validate_recorder(res.get("recorder"), "lr_find.recorder")
-            checkpoint.validate_rng(res.get("rng"), "lr_find.rng")
+            trainstate.validate_recorder(res.get("recorder"), "lr_find.recorder")
+            trainstate.validate_rng(res.get("rng"), "lr_find.rng")
         except CheckpointError as e:
             raise CheckpointError(f"{script(learn).armed.path}: {e}") from None
         state.set_recorder_state(learn, res["recorder"])
