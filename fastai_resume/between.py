@@ -80,12 +80,16 @@ def _at(sc) -> int:
 # ---- the log ----------------------------------------------------------------------------------
 
 
+# What `export` writes is not the same twice: it pickles the learner, the Recorder's clock among it.
+_UNREPRODUCIBLE = {"export"}
+
+
 def _emit(learn, ev: dict) -> None:
     "Every between-stage call, live or replayed, goes into `fastai-resume check`'s trace."
     if os.environ.get(check.ENV):
         res = ev.get("result")
         digest = ev["crc"] if ev["file"] is not None else (None if res is None else check.digest(res))
-        check.note_between(ev["at"], ev["op"], ev["file"], digest)
+        check.note_between(ev["at"], ev["op"], ev["file"], None if ev["op"] in _UNREPRODUCIBLE else digest)
 
 
 def _event(learn, op: str, path=None, result=None) -> dict:
@@ -156,7 +160,13 @@ def write_or_keep(learn, op: str, path, write, what: str):
             return path
         _refuse_if_not_exact(learn, op, what)
     out = write()
-    if ev is not None and ev["crc"] is not None and path.is_file() and file_crc(path) != ev["crc"]:
+    if (
+        ev is not None
+        and ev["crc"] is not None
+        and op not in _UNREPRODUCIBLE
+        and path.is_file()
+        and file_crc(path) != ev["crc"]
+    ):
         warnings.warn(
             f"fastai_resume: {what} wrote {path}, which differs from what the uninterrupted run wrote there",
             stacklevel=3,
