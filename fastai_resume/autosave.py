@@ -285,6 +285,7 @@ class Saves:
         self.failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
         self.retried: list = []  # what a full disk made a background save remove, until a save succeeds
         self.retry = False  # a save is due again at the next batch (after a full disk)
+        self.direct = True  # written around the page cache (bench/overhead.py compares False: through it)
 
     def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
         return {**self.__dict__, "inflight": None, "failure": None, "pool": SnapshotPool()}
@@ -308,7 +309,9 @@ class Saves:
             return path  # not rank 0: nothing to write
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            w = BackgroundCommit(tree, path, self.pool, then=functools.partial(files.remove_stale, path.parent))
+            w = BackgroundCommit(
+                tree, path, self.pool, then=functools.partial(files.remove_stale, path.parent), direct=self.direct
+            )
         except (OSError, TypeError, ValueError, RuntimeError) as e:
             if not dist.active():
                 raise

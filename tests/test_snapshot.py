@@ -221,15 +221,11 @@ def test_big_snapshot_buffers_start_on_a_huge_page_and_are_offered_to_transparen
     # madvised for huge pages (hg; the kernel backs them where it can: AnonHugePages) and not
     # inherited by forked processes, such as fastai's DataLoader workers (dc)
     assert {"hg", "dc"} <= _mapping_of(st.data_ptr())["VmFlags"]
-    snapshot.huge_pages = False
-    try:
-        small = snapshot._page_storage(n)
-        torch.empty(0, dtype=torch.uint8).set_(small).fill_(1)
-        assert small.data_ptr() % 4096 == 0 and small.nbytes() == n
-        flags = _mapping_of(small.data_ptr())["VmFlags"]
-        assert "dc" in flags and "hg" not in flags
-    finally:
-        snapshot.huge_pages = True
+    small = snapshot._page_storage(n, huge_pages=False)
+    torch.empty(0, dtype=torch.uint8).set_(small).fill_(1)
+    assert small.data_ptr() % 4096 == 0 and small.nbytes() == n
+    flags = _mapping_of(small.data_ptr())["VmFlags"]
+    assert "dc" in flags and "hg" not in flags
     pid = os.fork()  # a forked child does not see the buffer; the parent's stays as it was
     if pid == 0:
         os._exit(0)
