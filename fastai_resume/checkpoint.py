@@ -23,7 +23,7 @@ import torch
 from . import dist, io, trainstate
 from .io import CheckpointError
 from .script import session_of
-from .state import plain
+from .state import opt_state_for, plain
 
 __all__ = [
     "STATE_VERSION",
@@ -197,7 +197,7 @@ def load_tree(learn, path, tree, device, with_opt, strict):
         opt_sd = to_device(tree["opt"], device) if device is not None and str(device) != "cpu" else tree["opt"]
         prev_opt = learn.opt.state_dict()
         try:
-            learn.opt.load_state_dict(opt_sd)
+            learn.opt.load_state_dict(opt_state_for(learn.opt, opt_sd))
         except (AssertionError, KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:
             learn.opt.load_state_dict(prev_opt)
             raise CheckpointError(

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fastcore.foundation import L
 
 from .fastai_classes import is_a
 from .io import CheckpointError
@@ -28,6 +29,7 @@ __all__ = [
     "set_module_states",
     "RecorderLosses",
     "set_grads",
+    "opt_state_for",
     "print_row",
 ]
 
@@ -200,8 +202,6 @@ def _metric_state(m) -> dict:
 
 def set_recorder_state(learn, st: dict) -> None:
     rec = learn.recorder
-    from fastcore.foundation import L
-
     losses = st["losses"]
     lrs = st["lrs"]  # a float64 tensor since schema 3, a list before
     rec.lrs, rec.iters = lrs.tolist() if isinstance(lrs, torch.Tensor) else list(lrs), list(st["iters"])
@@ -258,6 +258,14 @@ def set_train_metrics(learn, st: dict) -> None:
         for k, v in ms.items():
             if k in _METRIC_FIELDS:
                 m.__dict__[k] = list(v) if isinstance(v, (list, tuple)) else v
+
+
+def opt_state_for(opt, sd: dict) -> dict:
+    """An optimizer state dict read from a checkpoint as the optimizer's own `state_dict()` has it:
+    fastai's `Optimizer` keeps its hyper-parameters in an `L` (what a later `learn.save` pickles)."""
+    if isinstance(sd, dict) and isinstance(sd.get("hypers"), list) and isinstance(getattr(opt, "hypers", None), L):
+        return {**sd, "hypers": L(sd["hypers"])}
+    return sd
 
 
 def set_grads(model, had, pending) -> None:

@@ -428,7 +428,7 @@ def restore_fit(learn, sv: dict, source, model_state=None, opt_state=None) -> li
 
         get_model(learn.model).load_state_dict(model_state)
     if opt_state is not None:
-        learn.opt.load_state_dict(_on_training_device(learn, opt_state))
+        learn.opt.load_state_dict(state.opt_state_for(learn.opt, _on_training_device(learn, opt_state)))
     bad = grads_mismatch(sv, len(list(learn.model.parameters())))
     if bad:
         raise CheckpointError(f"{source}: malformed training state: {bad}")

@@ -215,7 +215,7 @@ def vision(a, st, out, seg=False):
         learn = unet_learner(dls, resnet18, pretrained=False)
     else:
         dls = ImageDataLoaders.from_name_func(
-            ".", files, lambda f: f.name[0], item_tfms=Resize(24), bs=16, seed=0, num_workers=2
+            ".", files, lambda name: name[0], item_tfms=Resize(24), bs=16, seed=0, num_workers=2
         )
         learn = vision_learner(dls, resnet18, pretrained=False, metrics=error_rate)
     learn.add_cbs(st.cbs(learn))
