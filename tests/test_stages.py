@@ -152,3 +152,17 @@ def test_a_rerun_that_cannot_have_a_stages_end_state_refuses_before_it_writes(tm
     assert "VALUES stage-0" in log and "VALUES valid-0" in log
     assert "ReplayError" in log and "learn.save('stage0')" in log and "nothing was written" in log
     assert not (tmp_path / "models" / "stage0.pth").exists()
+
+
+def test_a_rerun_from_a_checkpoint_at_a_stages_very_end_continues_the_next_stage_exactly(tmp_root, tmp_path):
+    """AutoCheckpoint's last checkpoint of a stage is at its very end (every epoch done). When it is the
+    newest (the next stage's were lost, or a remote mirror lags), the rerun resumes the stage at its end,
+    with the loaders, RNG and schedule the stage ended with, and the next stage trains as it did."""
+    args = (*STAGES, "--auto", "4")
+    ref = workload_reference(tmp_root, "digits", *args)
+    run_workload("digits", tmp_path, tmp_path / "dead.frk", "--die", "2,0,6", *args, expect=-9)
+    for p in (tmp_path / "models").glob("auto-*-s002-*"):
+        p.unlink()
+    log = run_workload("digits", tmp_path, tmp_path / "out.frk", *args)
+    assert "-s001-f00-e000002-i0000000000.frk" in log and "skipping stage 0" in log
+    assert_same_result(ref, fr.load(tmp_path / "out.frk"))
