@@ -20,6 +20,7 @@ from pathlib import Path
 from fastai.callback.core import Callback
 
 from . import check, checkpoint, dist, io, paths
+from . import remote as _remote
 from .io import CheckpointError
 from .session import script, session_of
 from .snapshot import BackgroundCommit, SnapshotPool
@@ -64,6 +65,10 @@ class AutoCheckpoint(Callback):
       checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
       from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
       failed save are agreed by all (one all-reduce of 32 bytes per batch, over gloo).
+    - `remote='s3://bucket/run/'` (any fsspec URL; `remote_options`: the file system's options): each
+      checkpoint committed here is then mirrored there by a background thread, `keep` holds there too, and
+      a start whose local folder lacks a newer checkpoint resumes from the remote's (`remote.Mirror`,
+      docs/remote.md). The process's end waits up to `remote_wait` seconds for the newest one's upload.
     """
 
     order = 100  # after the Recorder and the trackers have updated, before ResumeSession
@@ -80,6 +85,9 @@ class AutoCheckpoint(Callback):
         preempt=True,
         on_error="raise",
         fast_forward=False,
+        remote=None,
+        remote_options=None,
+        remote_wait=300.0,
     ):
         if keep < 1:
             raise ValueError("AutoCheckpoint(keep=...) must keep at least one checkpoint")
@@ -101,6 +109,10 @@ class AutoCheckpoint(Callback):
             on_error,
         )
         self.fast_forward = fast_forward
+        self.remote, self.remote_options, self.remote_wait = remote, remote_options, remote_wait
+        if remote is not None:
+            _remote.filesystem(remote, remote_options)  # a missing package or a malformed URL: said now
+        self._mirror = None  # this run's remote.Mirror (rank 0), once the run is known
         self._inflight = None  # (BackgroundCommit, final path)
         self._pool = SnapshotPool()  # background saves copy into the previous save's buffers
         self._failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
@@ -114,7 +126,7 @@ class AutoCheckpoint(Callback):
 
     def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
         d = dict(self.__dict__)
-        for k in ("_inflight", "_lock", "_old_handler", "_failure", "_run"):
+        for k in ("_inflight", "_lock", "_old_handler", "_failure", "_run", "_mirror"):
             d[k] = None
         d["_pool"] = SnapshotPool()  # buffers (and their lock) belong to this process's fit
         return d
@@ -242,6 +254,10 @@ class AutoCheckpoint(Callback):
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
             self._take_lock()
             self._remove_dead_temps()
+            if self.remote is not None:  # the remote's lease, checked before any training
+                self._mirror = _remote.mirror_for(
+                    self.remote, self.remote_options, self.folder, self.fname, self.run_id, self.keep, self.remote_wait
+                )
             if (
                 self.resume
                 and stage.resume
@@ -250,11 +266,13 @@ class AutoCheckpoint(Callback):
                 and script(self.learn).armed is None
             ):
                 p = self.latest_valid()
+                if self._mirror is not None:  # a newer checkpoint on the remote (a new machine: none here)
+                    p = self._mirror.resume_point(p)
                 if p is not None:
                     self._retain()  # a run killed between a commit and its retention
             if run.attempt is None:
-                files = self.checkpoints()
-                last = int(self._pattern().match(files[-1].name)[1]) if files else -1
+                files = [f.name for f in self.checkpoints()] + (self._mirror.names() if self._mirror else [])
+                last = max(int(self._pattern().match(f)[1]) for f in files) if files else -1
                 run.attempt = int(self._pattern().match(p.name)[1]) if p is not None else last + 1
         if dist.active():
             p, run.attempt = dist.broadcast((None if p is None else str(p), run.attempt))
@@ -487,6 +505,8 @@ class AutoCheckpoint(Callback):
             return
         self._retried = []
         self.saved.append(path)  # its thread has applied the retention (`_remove_stale`)
+        if self._mirror is not None:
+            self._mirror.committed(path)
         if w.then_error is not None:
             msg = f"AutoCheckpoint: saved {path}, then removing older checkpoints failed: {w.then_error!r}"
             warnings.warn(msg, stacklevel=2)
@@ -496,6 +516,8 @@ class AutoCheckpoint(Callback):
     def _committed(self, path):
         "Retention, only ever after a commit (and at autoresume): the newest `keep` of this run stay."
         self.saved.append(path)
+        if self._mirror is not None:
+            self._mirror.committed(path)
         self._retain()
 
     def _retain(self):

@@ -29,7 +29,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import _core, between, check, checkpoint, dist, io, loaders, paths, state
+from . import _core, between, check, checkpoint, dist, io, loaders, paths, remote, state
 from ._hooks import imported
 from .io import CheckpointError
 from .session import Armed, FitPlan, ResumeSession, script, session_of, stage_call
@@ -225,6 +225,9 @@ _SAVES_WITH_ITER = [0]  # resumable saves made by `Learner.save`: a subclass's `
 
 def _found_checkpoint(learn, file):
     "The file `learn.load(file)` reads, and whether it is ours: `(path or None, is ours)`."
+    if remote.is_url(file):  # s3://..., file://...: downloaded into the model folder first (`remote.fetch`)
+        path = remote.fetch(learn, file)
+        return path, io.is_checkpoint(path)
     if not paths.is_path(file):
         return None, False
     cands = paths.load_candidates(learn, file)
@@ -284,7 +287,8 @@ def _load_theirs(learn, file, path, load):
 @patch
 @delegates(load_model)
 def load(self: Learner, file, device=None, resume=True, fast_forward=False, **kwargs):
-    """Load model and optimizer state (if `with_opt`) from `self.path/self.model_dir/file` (or a buffer).
+    """Load model and optimizer state (if `with_opt`) from `self.path/self.model_dir/file` (or a buffer, or a
+    URL such as `s3://bucket/run/NAME.frk`, downloaded into the model folder first).
     A fastai_resume checkpoint saved mid-fit also arms the resume: the next training call of the same
     stage continues at the saved position (`resume=False` loads the weights only). The format is told
     by the file's magic bytes, never its name; vanilla fastai files load as fastai loads them.
