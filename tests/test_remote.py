@@ -152,7 +152,7 @@ def test_a_lost_machine_resumes_from_the_remote_and_ends_bitwise_equal(tmp_root,
     assert "checksums verified" in log and f"AutoCheckpoint: found {newest}" in log
     res = fr.load(m2 / "out.frk")
     assert sorted(res["seen"]) == [str(e) for e in range(epoch, 2)]  # only what was left was trained here
-    assert len(res["seen"][str(epoch)]) == (N_ITER - it) * 32
+    assert len(res["seen"][str(epoch)]) == 1500 - it * 32  # its items but those of the batches trained before
     assert_same_run(ref, res, epochs=2)
     assert mirror.complete()[-1].endswith("-e000002-i0000000000.frk")  # the run's end is on the remote too
     assert len(mirror.complete()) == 2  # keep=2 there as here
@@ -300,10 +300,12 @@ def test_a_corrupted_remote_object_is_set_aside_and_the_previous_one_resumes(
     assert newest + ".corrupt" in mirror.ls() or newest in mirror.complete()  # set aside, then saved again
     assert_same_run(ref, fr.load(m2 / "out.frk"), epochs=2)
 
+    import torch
     from trainer import build
 
     m3 = tmp_path / "machine3"
     learn = build(m3, noise=True)
+    learn.model.register_buffer("ballast", torch.ones(8 << 18))  # as tests/trainer.py --ballast-mb 8
     for k, v in s3.env().items():
         monkeypatch.setenv(k, v)  # as a user's shell sets them
     learn.load(url + older)
