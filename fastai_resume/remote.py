@@ -670,8 +670,10 @@ class Mirror:
     # -- end
     def close(self) -> None:
         """At the process's end: waits up to `wait` seconds for the newest local checkpoint to be mirrored
-        (saying so, and what the remote has if it is not), then releases the lease."""
+        (saying so, and what the remote has if it is not), then releases the lease. Once."""
         with self.cond:
+            if self.closing:
+                return
             want = self.want
             pending = want is not None and want.name != self.newest and self.lost is None
             self.deadline = time.monotonic() + self.wait

@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from procs import ENV, FORKS, N_ITER, assert_same_result, assert_same_run, reference, trainer_cmd, workload_reference
+from procs import ENV, FORKS, assert_same_result, assert_same_run, reference, trainer_cmd, workload_reference
 from s3server import Proxy, Server
 
 import fastai_resume as fr
