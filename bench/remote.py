@@ -16,7 +16,7 @@ waited for between runs, outside the clocks.
 (`learn.load('s3://...')`: streamed download, CRC32C against its marker, then the same load), and the
 download alone (`Mirror.resume_point`, what autoresume does on a new machine); medians of `--rounds`.
 
-    python bench/remote.py [--emb 12000] [--iters 2400] [--every 800] [--warm 10] [--rounds 3]
+    python bench/remote.py [--emb 12000] [--iters 1200] [--every 400] [--warm 10] [--rounds 3]
 """
 
 import argparse
@@ -131,8 +131,8 @@ def fit(path, a, url=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--emb", type=int, default=12000, help="rows of the frozen table (1,024 float32 each)")
-    ap.add_argument("--iters", type=int, default=2400)
-    ap.add_argument("--every", type=int, default=800, help="save interval in steps")
+    ap.add_argument("--iters", type=int, default=1200)
+    ap.add_argument("--every", type=int, default=400, help="save interval in steps")
     ap.add_argument("--warm", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)

@@ -687,7 +687,7 @@ class Mirror:
                     timeout=self.wait,
                 )
             done = want is None or self.newest == want.name
-        if want is not None and pending and done:
+        if want is not None and done:  # the process's last word on the remote, as it ends
             print(f"AutoCheckpoint: {want.name} is on {self.url}", flush=True)
         elif want is not None and pending and self.lost is None:
             why = _reason(self.error) if self.error else "the upload did not finish in time"

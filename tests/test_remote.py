@@ -267,6 +267,7 @@ def test_a_server_outage_during_training_is_said_survived_and_caught_up(tmp_root
     assert_same_run(reference(tmp_root), fr.load(m1 / "out.frk"))
 
 
+@pytest.mark.slow
 def test_a_corrupted_remote_object_is_set_aside_and_the_previous_one_resumes(
     tmp_root, tmp_path, s3, bucket, monkeypatch
 ):
@@ -316,6 +317,26 @@ def test_a_corrupted_remote_object_is_set_aside_and_the_previous_one_resumes(
     (m3 / "models" / older).write_bytes(b"another file")
     with pytest.raises(FileExistsError, match="exists and differs from the remote file; move it away first"):
         learn.load(url + older)
+
+
+def test_a_sigterm_saves_and_the_exit_waits_for_that_checkpoints_upload(tmp_root, tmp_path):
+    """Preemption: SIGTERM mid-epoch saves a checkpoint at the current batch, and the process exits (143) only
+    once that checkpoint is complete on the remote; a new machine resumes from it exactly."""
+    mirror = Mirror((tmp_path / "network-fs" / "run").as_uri() + "/", None)
+    m1 = tmp_path / "machine1"
+    args = ("--auto", "100000", "--slow-ms", "30", "--remote", mirror.url)
+    r = Run(trainer_cmd(m1, m1 / "out.frk", *args), ENV)
+    r.wait_for(lambda: "[0, " in r.out, what="epoch 0's row")
+    r.p.send_signal(signal.SIGTERM)
+    assert r.finish() == fr.PREEMPTED_EXIT_CODE, r.out
+    saved = re.search(r"AutoCheckpoint: SIGTERM: saved (\S+),", r.out)[1]
+    assert f"AutoCheckpoint: {saved} is on {mirror.url}" in r.out
+    assert mirror.complete()[-1] == saved and position(saved)[1] > 0
+    shutil.rmtree(m1)
+    m2 = tmp_path / "machine2"
+    log = run_trainer(m2, m2 / "out.frk", *args)
+    assert f"AutoCheckpoint: downloaded {saved}" in log
+    assert_same_run(reference(tmp_root), fr.load(m2 / "out.frk"))
 
 
 def test_an_incomplete_upload_on_a_file_mirror_is_skipped_then_removed(tmp_path):
