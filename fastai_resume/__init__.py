@@ -12,6 +12,7 @@ not import itself (the command-line tool imports no fastai at all). Where things
     loaders.py        each DataLoader's iteration state and the skip of k batches
     state.py          RNG, Recorder and callback state
     autosave.py       AutoCheckpoint: when to save, retention, autoresume, preemption
+    remote.py         checkpoints mirrored to object storage (fsspec), resumed from it elsewhere
     patches.py        the fastai patches
 """
 
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 _LAZY = {"AutoCheckpoint": "autosave", "PREEMPTED_EXIT_CODE": "autosave", "ResumeSession": "session"}
-_SUBMODULES = {"autosave", "checkpoint", "dist", "loaders", "patches", "paths", "session", "state"}
+_SUBMODULES = {"autosave", "checkpoint", "dist", "loaders", "patches", "paths", "remote", "session", "state"}
 
 
 def __getattr__(name):  # fastai's classes are needed only once the user's code uses them

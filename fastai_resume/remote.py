@@ -100,7 +100,7 @@ def _age(seconds: float) -> str:
 
 def _reason(e: BaseException) -> str:
     msg = " ".join(str(e).split()) or type(e).__name__
-    return msg if isinstance(e, OSError) else f"{type(e).__name__}: {msg}"
+    return msg if isinstance(e, (OSError, CheckpointError)) else f"{type(e).__name__}: {msg}"
 
 
 # ---- transfers ----------------------------------------------------------------------------------
@@ -295,7 +295,6 @@ class Mirror:
         self.error: BaseException | None = None
         self.lost: str | None = None  # another process took the lease: this one mirrors no more
         self.closing = False
-        self.busy = False
         self.deadline: float | None = None  # set at the end: how long the last upload may still take
         self.messages: list = []
         self.last_said = 0.0
@@ -454,7 +453,11 @@ class Mirror:
         named = set()
         for n in self.complete(ls):
             with contextlib.suppress(Exception):
-                named |= {e["key"] for e in self.manifest(n)["ends"]}
+                for e in self.manifest(n)["ends"]:
+                    named.add(e["key"])
+                    m = _END_KEY.match(e["key"])
+                    if m and m["file"] == e["file"]:  # uploaded already: not again (`_mirror_end`)
+                        self.ends[(e["file"], int(m["token"], 16))] = e
         for n in ls:
             orphan = self.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls
             m = _END_KEY.match(n)
@@ -477,9 +480,17 @@ class Mirror:
                 break
             try:
                 return self.fetch(name)
-            except CheckpointError as e:
-                _say(f"AutoCheckpoint: skipping {self.url}{name}: {e}")
+            except (CheckpointError, FileNotFoundError) as e:  # (a marker whose data is gone)
+                _say(f"AutoCheckpoint: skipping {self.url}{name}: {_reason(e)}")
                 self._set_aside(name)
+            except OSError as e:  # this machine's disk (full, read-only): not the remote's fault, and not this run's
+                raise RemoteError(e.errno, f"AutoCheckpoint: could not download {self.url}{name}: {_reason(e)}") from e
+            except Exception as e:  # the network: the remote's copy may be fine
+                raise RemoteError(
+                    None,
+                    f"AutoCheckpoint: could not download {self.url}{name} ({_reason(e)}); run the script again once "
+                    "the remote is reachable: training has not started",
+                ) from e
         return local
 
     def fetch(self, name: str) -> Path:
@@ -544,7 +555,7 @@ class Mirror:
                     self.cond.wait()
                 if self.lost or (self.closing and (self.want is None or self.want.name == self.newest)):
                     return
-                path, count, self.busy = self.want, self.commits, True
+                path, count = self.want, self.commits
             try:
                 self._mirror(path)
                 with self.cond:
@@ -573,7 +584,6 @@ class Mirror:
                 backoff = min(backoff * 2, 60.0)
             finally:
                 with self.cond:
-                    self.busy = False
                     self.cond.notify_all()
 
     def _deadline_passed(self) -> bool:
@@ -815,8 +825,8 @@ def is_folder(url: str) -> bool:
 
 
 def scan(url: str):
-    """A remote folder's objects for `verify`: (name, None, marker or None) for each to verify, (name, why,
-    None) for each other one (markers, the lease, an upload without its marker)."""
+    """A remote folder's objects for `verify`: (name, None) for each to verify, (name, why) for each other one
+    (markers, the lease, an upload without its marker)."""
     fs, root = filesystem(url)
     try:
         entries = fs.ls(root, detail=True)
@@ -826,18 +836,15 @@ def scan(url: str):
     have = set(names)
     for n in names:
         if n.endswith(MARKER) and n[: -len(MARKER)] in have:
-            yield n, f"the marker of {n[: -len(MARKER)]} (its upload is complete)", None
+            yield n, f"the marker of {n[: -len(MARKER)]} (its upload is complete)"
         elif n.endswith(CORRUPT):
-            yield n, "set aside as corrupt by autoresume (the marker of a copy that did not verify)", None
+            yield n, "set aside as corrupt by autoresume (the marker of a copy that did not verify)"
         elif n.startswith(".") and n.endswith(".lock"):
-            yield n, "a run's lock (the process mirroring it)", None
+            yield n, "a run's lock (the process mirroring it)"
         elif n.endswith(io.EXT) and n + MARKER not in have and re.search(r"-g\d{3}-s\d{3}-f\d{2}-e\d{6}-i\d{10}", n):
-            yield n, "an upload without its marker (in progress, or killed): not a checkpoint yet", None
+            yield n, "an upload without its marker (in progress, or killed): not a checkpoint yet"
         else:
-            m = None
-            if n + MARKER in have:
-                m = _marker_of(fs, f"{root}/{n}", n, url.rstrip("/") + "/" + n)
-            yield n, None, m
+            yield n, None
 
 
 def cli_inspect(a, inspect) -> int:
@@ -861,9 +868,9 @@ def cli_verify(url: str, problem) -> int:
     temporary folder and checked against its upload's marker, then as a local file is (`problem`)."""
     folder = is_folder(url)
     base = url if url.endswith("/") else url + "/"
-    entries = scan(url) if folder else [(None, None, None)]
+    entries = scan(url) if folder else [(None, None)]
     ok = bad = skipped = 0
-    for name, skip, _ in entries:
+    for name, skip in entries:
         shown = base + name if name is not None else url
         if skip:
             skipped += 1
