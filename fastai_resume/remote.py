@@ -49,6 +49,7 @@ __all__ = ["INSTALL", "Mirror", "RemoteError", "filesystem", "fetch", "is_url"]
 
 INSTALL = "pip install 'fastai-resume[remote]'"
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError")  # botocore's, google's
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 CHUNK = 16 << 20  # one part of an upload, one ranged read of a download: the memory a transfer holds
 RENEW = 15.0  # seconds between two renewals of the run's lease
@@ -392,8 +393,10 @@ class Mirror:
     def _fence(self):
         "Raises `_Lost` (and this mirror stops) if another process holds the lease now."
         held = self._read_lock()
-        if held is None or held.get("token") != self.token:
-            who = "nobody" if held is None else self._holder(held)
+        if held is None:  # removed (by hand): nobody else holds it
+            return self._write_lock()
+        if held.get("token") != self.token:
+            who = self._holder(held)
             self.lost = (
                 f"AutoCheckpoint: the lock {self.lock_name} of {self.url} is held by {who} now (this process did not "
                 "renew it in time: the remote was unreachable): this process no longer mirrors the run (its local "
@@ -413,22 +416,22 @@ class Mirror:
                 self.listing()
                 self._take_lock()
                 break
-            except PermissionError as e:
-                raise RemoteError(
-                    None,
-                    f"AutoCheckpoint: the remote {self.url} refused the credentials ({_reason(e)}); check them "
-                    "(for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
-                    "remote_options=dict(key=..., secret=...)). Training has not started.",
-                ) from None
-            except FileNotFoundError as e:
-                raise RemoteError(
-                    None,
-                    f"AutoCheckpoint: the remote {self.url} does not exist ({_reason(e)}): create the bucket "
-                    "(or folder) first. Training has not started.",
-                ) from None
             except RuntimeError:
-                raise
+                raise  # the lease: held by another process
             except Exception as e:
+                if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
+                    raise RemoteError(
+                        None,
+                        f"AutoCheckpoint: the remote {self.url} refused the credentials ({_reason(e)}); check them "
+                        "(for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
+                        "remote_options=dict(key=..., secret=...)). Training has not started.",
+                    ) from None
+                if isinstance(e, FileNotFoundError):
+                    raise RemoteError(
+                        None,
+                        f"AutoCheckpoint: the remote {self.url} does not exist ({_reason(e)}): create the bucket "
+                        "(or folder) first. Training has not started.",
+                    ) from None
                 if i == len(tries):
                     raise RemoteError(
                         None,

@@ -441,7 +441,7 @@ def test_wrong_credentials_are_a_clear_error_before_training(tmp_path):
             env=dict(ENV, **server.env(AWS_SECRET_ACCESS_KEY="wrong")),
             timeout=300,
         )
-        assert p.returncode != 0 and time.monotonic() - t0 < 60
+        assert p.returncode != 0 and time.monotonic() - t0 < 180  # the start of a process, not hours
         last = p.stderr.strip().splitlines()[-1]
         assert "AutoCheckpoint: the remote s3://runs/run/ refused the credentials" in last, p.stderr
         assert "Training has not started" in last and "[0, " not in p.stdout
