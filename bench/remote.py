@@ -1,7 +1,8 @@
 """What mirroring checkpoints to object storage costs training, and how long a resume from the remote takes
 against a resume from the local disk, on a local S3-API server (moto's, its own process, over HTTP through
 s3fs: tests/s3server.py). The server runs on the same cores as training here: what it spends serving the
-uploads is counted against training too, which a bucket elsewhere would not cost (an upper bound).
+uploads is counted against training too, which a bucket elsewhere would not cost: it runs at the lowest
+priority (`--server-nice 19`), so that it takes what training leaves, as far as the scheduler allows.
 
 **Training overhead.** In interleaved rounds, one fit with `AutoCheckpoint(background=True)` saving every
 `--every` steps, without and with `remote=`: the whole run's wall and CPU time (steps `--warm`.. to the end
@@ -16,7 +17,7 @@ waited for between runs, outside the clocks.
 (`learn.load('s3://...')`: streamed download, CRC32C against its marker, then the same load), and the
 download alone (`Mirror.resume_point`, what autoresume does on a new machine); medians of `--rounds`.
 
-    python bench/remote.py [--emb 12000] [--iters 1200] [--every 400] [--warm 10] [--rounds 3]
+    python bench/remote.py [--emb 12000] [--iters 1200] [--every 400] [--warm 10] [--rounds 3] [--server-nice 19]
 """
 
 import argparse
@@ -135,10 +136,16 @@ def main():
     ap.add_argument("--every", type=int, default=400, help="save interval in steps")
     ap.add_argument("--warm", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--server-nice",
+        type=int,
+        default=19,
+        help="the S3 server's niceness (a bucket elsewhere costs these cores nothing)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     info = common.machine(HERE)
-    server = Server()
+    server = Server(nice=a.server_nice)
     os.environ.update(server.env())
     remote.filesystem("s3://bench/")[0].mkdir("bench")
     t_start = time.perf_counter()
@@ -189,6 +196,7 @@ def main():
     payload = {
         "machine": info,
         "rounds": a.rounds,
+        "server_nice": a.server_nice,
         "iters": a.iters,
         "every": a.every,
         "checkpoint_bytes": nbytes,
@@ -209,7 +217,8 @@ def main():
     med = statistics.median
     print(
         f"\n{a.iters} steps of {1e3 * med(step_s):.0f} ms, a {nbytes / 1e6:.0f} MB checkpoint every {a.every} steps "
-        f"({a.every * med(step_s):.0f} s), {a.rounds} rounds, the S3 server (moto) on the same {os.cpu_count()} cores"
+        f"({a.every * med(step_s):.0f} s), {a.rounds} rounds, the S3 server (moto) on the same {os.cpu_count()} cores "
+        f"at nice {a.server_nice}"
     )
     print(f"{'':38s} {'median':>10s} {'min':>10s} {'max':>10s}")
     rows = [

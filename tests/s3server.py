@@ -39,9 +39,10 @@ def _wait_listening(port, proc, timeout=60.0):
 class Server:
     """moto's S3 server in its own process. `env`: what a process needs to use it through s3fs (the
     endpoint, as AWS_ENDPOINT_URL, which botocore reads, and keys). `auth=True`: the server checks
-    credentials (moto's IAM: the keys of a user this object creates first, `self.keys`)."""
+    credentials (moto's IAM: the keys of a user this object creates first, `self.keys`). `nice`: the
+    server's niceness (a benchmark's server on the training machine's cores takes what training leaves)."""
 
-    def __init__(self, auth=False):
+    def __init__(self, auth=False, nice=0):
         self.port = free_port()
         env = dict(os.environ, **KEYS)
         if auth:
@@ -51,6 +52,7 @@ class Server:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,  # a bench: the server's work, not the client's
         )
         _wait_listening(self.port, self.proc)
         self.endpoint = f"http://127.0.0.1:{self.port}"

@@ -24,7 +24,7 @@ import fastai_resume as fr
 from fastai_resume import remote
 
 STATE = ("--epochs", "2", "--ballast-mb", "8")
-AUTO = (*STATE, "--auto", "4", "--slow-ms", "30")
+AUTO = (*STATE, "--auto", "4", "--slow-ms", "50")  # a mid-epoch upload lands well before the epoch ends
 NAME = re.compile(r"auto-\w+-g(\d{3})-s(\d{3})-f\d{2}-e(\d{6})-i(\d{10})\.frk$")
 
 
