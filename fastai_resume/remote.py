@@ -293,6 +293,7 @@ class Mirror:
         self.commits = 0  # local checkpoints handed over by this process
         self.mirrored_commits = 0  # ... of which the newest mirrored was the n-th
         self.behind_since: float | None = None  # since when an upload has been failing
+        self.started: tuple | None = None  # (when, name, commits then) of the upload in progress
         self.error: BaseException | None = None
         self.lost: str | None = None  # another process took the lease: this one mirrors no more
         self.closing = False
@@ -530,24 +531,30 @@ class Mirror:
         self.say_due()
 
     def say_due(self) -> None:
-        "What the upload thread has to say, said in the caller's (the training) thread."
+        """What the upload thread has to say, said in the caller's (the training) thread; and, at most once a
+        minute, how far behind the remote is while uploads fail, or while one has taken a minute or more and
+        a newer checkpoint than the one it uploads is already waiting (a slow remote)."""
         with self.cond:
             msgs, self.messages = self.messages, []
-            behind = self.commits - self.mirrored_commits
-            failing = self.error is not None and self.behind_since is not None and self.lost is None
-            if failing and time.monotonic() - self.last_said >= 60 and behind > 0:
-                self.last_said = time.monotonic()
-                msgs.append(self._behind(behind))
+            now, behind = time.monotonic(), self.commits - self.mirrored_commits
+            failing = self.error is not None and self.behind_since is not None
+            slow = self.started is not None and now - self.started[0] >= 60 and self.commits > self.started[2]
+            if (failing or slow) and self.lost is None and now - self.last_said >= 60 and behind > 0:
+                self.last_said = now
+                msgs.append(self._behind(behind, now))
         for m in msgs:
             _say(m)
 
-    def _behind(self, n: int) -> str:
-        since = time.monotonic() - (self.behind_since or time.monotonic())
+    def _behind(self, n: int, now: float) -> str:
         newest = f"its newest checkpoint is {self.newest}" if self.newest else "it has no checkpoint of this run"
+        if self.error is not None and self.behind_since is not None:
+            why = f"uploads have failed for {_age(now - self.behind_since)}: {_reason(self.error)}"
+        else:
+            t0, name, _ = self.started or (now, "?", 0)
+            why = f"the upload of {name} has taken {_age(now - t0)} so far"
         return (
             f"AutoCheckpoint: the remote {self.url} is {n} checkpoint{'s' if n != 1 else ''} behind ({newest}; "
-            f"uploads have failed for {_age(since)}: {_reason(self.error or Exception())}). Training goes on and "
-            "local checkpoints are written; the upload is retried."
+            f"{why}). Training goes on and local checkpoints are written; the upload goes on (a failed one is retried)."
         )
 
     def _upload_loop(self):
@@ -559,6 +566,7 @@ class Mirror:
                 if self.lost or (self.closing and (self.want is None or self.want.name == self.newest)):
                     return
                 path, count = self.want, self.commits
+                self.started = (time.monotonic(), path.name, count)
             try:
                 self._mirror(path)
                 with self.cond:
@@ -587,6 +595,7 @@ class Mirror:
                 backoff = min(backoff * 2, 60.0)
             finally:
                 with self.cond:
+                    self.started = None
                     self.cond.notify_all()
 
     def _deadline_passed(self) -> bool:
