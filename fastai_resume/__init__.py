@@ -19,8 +19,9 @@ not import itself (the command-line tool imports no fastai at all). Where things
     between.py, stages.py  the script's stages, their end states and what it does between them
     session.py             one fit's resume: its callback, position, skip, restore
     snapshot.py            background saves (a copy at the batch boundary, written by a thread)
+    remote.py              checkpoints mirrored to object storage (fsspec), resumed from it elsewhere
     runfolder.py,          AutoCheckpoint: a run's files (names, lock, retention); when to save,
-    autosave.py            autoresume, preemption
+    autosave.py            autoresume, preemption, the remote mirror
     patches.py             every patch of fastai
 """
 
@@ -53,6 +54,7 @@ _SUBMODULES = {
     "loaders",
     "patches",
     "paths",
+    "remote",
     "runfolder",
     "script",
     "session",

@@ -3,6 +3,7 @@
     inspect FILE          format, training position, tensors, RNG and loop state, checksums
     verify FILE_OR_DIR    one line per checkpoint (OK, or BAD and what is wrong); a folder's other
                           files are skipped, each on a SKIP line, and a summary line ends the list
+                          (both take a URL too, `s3://bucket/run/...`: `remote.cli_inspect`, `cli_verify`)
     convert SRC DST       fastai_resume checkpoint -> vanilla fastai .pth (for deployment), or back
     check SCRIPT [ARGS]   does this training script resume exactly? (runs it three times, short)
 
@@ -28,7 +29,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from . import _core, checkpoint, io
+from . import _core, checkpoint, io, remote
 from .check import check
 from .io import CheckpointError
 from .state import plain
@@ -375,8 +376,10 @@ def main(argv=None):
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     try:
+        if a.cmd in ("inspect", "verify") and remote.is_url(a.file if a.cmd == "inspect" else a.target):
+            return remote.cli_inspect(a, cmd_inspect) if a.cmd == "inspect" else remote.cli_verify(a.target, _problem)
         return {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert, "check": cmd_check}[a.cmd](a) or 0
-    except (Failure, CheckpointError, OSError) as e:
+    except (Failure, CheckpointError, OSError, ImportError) as e:
         msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
             msg = f"{e.filename}: {msg}"

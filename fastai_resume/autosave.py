@@ -19,6 +19,7 @@ from pathlib import Path
 from fastai.callback.core import Callback
 
 from . import check, checkpoint, dist, paths
+from . import remote as _remote
 from .io import CheckpointError
 from .runfolder import RunFolder, run_identity
 from .script import STAGE_BEGIN_HOOKS, script, session_of
@@ -99,6 +100,10 @@ class AutoCheckpoint(Callback):
       checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
       from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
       failed save are agreed by all (one all-reduce of 32 bytes per batch, over gloo).
+    - `remote='s3://bucket/run/'` (any fsspec URL; `remote_options`: the file system's options): each
+      checkpoint committed here is then mirrored there by a background thread, `keep` holds there too, and
+      a start whose local folder lacks a newer checkpoint resumes from the remote's (`remote.Mirror`,
+      docs/remote.md). The process's end waits up to `remote_wait` seconds for the newest one's upload.
     """
 
     order = 100  # after the Recorder and the trackers have updated, before ResumeSession
@@ -115,6 +120,9 @@ class AutoCheckpoint(Callback):
         preempt=True,
         on_error="raise",
         fast_forward=False,
+        remote=None,
+        remote_options=None,
+        remote_wait=300.0,
     ):
         if keep < 1:
             raise ValueError("AutoCheckpoint(keep=...) must keep at least one checkpoint")
@@ -130,16 +138,20 @@ class AutoCheckpoint(Callback):
         )
         self.keep, self.background, self.resume, self.preempt = keep, background, resume, preempt
         self.on_error, self.fast_forward = on_error, fast_forward
+        self.remote, self.remote_options, self.remote_wait = remote, remote_options, remote_wait
+        if remote is not None:
+            _remote.filesystem(remote, remote_options)  # a missing package or a malformed URL: said now
         self.run_id = None  # this run's identity (hex), set when its first stage begins (fastai's `run` is taken)
         self.attempt = None
         self.files: RunFolder | None = None
         self.saves = Saves(on_error)
         self._run: AutosaveRun | None = None
+        self._mirror = None  # this run's remote.Mirror (rank 0), once the run is known
         self._preemption = Preemption()
         self._last_time = 0.0
 
     def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
-        return {**self.__dict__, "_run": None, "files": None, "_preemption": Preemption()}
+        return {**self.__dict__, "_run": None, "files": None, "_preemption": Preemption(), "_mirror": None}
 
     @property
     def saved(self) -> list:
@@ -175,13 +187,20 @@ class AutoCheckpoint(Callback):
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
             files.take_lock()
             files.remove_dead_temps()
+            if self.remote is not None and self._mirror is None:  # the remote's lease, checked before any training
+                self._mirror = self.saves.mirror = _remote.mirror_for(
+                    self.remote, self.remote_options, self.folder, self.fname, self.run_id, self.keep, self.remote_wait
+                )
             if self.resume and stage.resume and not stage.explicit and not run.resumed and sc.armed is None:
                 p = files.latest_valid()
+                if self._mirror is not None:  # a newer checkpoint on the remote (a new machine: none here)
+                    p = self._mirror.resume_point(p)
                 if p is not None:
                     _retain(files)  # a run killed between a commit and its retention
             if run.attempt is None:
-                ckpts = files.checkpoints()
-                run.attempt = files.attempt_of(p) if p is not None else files.attempt_of(ckpts[-1]) + 1 if ckpts else 0
+                names = [f.name for f in files.checkpoints()] + (self._mirror.names() if self._mirror else [])
+                last = max((files.attempt_of(Path(n)) for n in names), default=-1)
+                run.attempt = files.attempt_of(p) if p is not None else last + 1
         if dist.active():
             p, run.attempt = dist.broadcast((None if p is None else str(p), run.attempt))
             p = None if p is None else Path(p)
@@ -286,9 +305,10 @@ class Saves:
         self.retried: list = []  # what a full disk made a background save remove, until a save succeeds
         self.retry = False  # a save is due again at the next batch (after a full disk)
         self.direct = True  # written around the page cache (bench/overhead.py compares False: through it)
+        self.mirror = None  # a remote.Mirror each committed checkpoint is handed to
 
     def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
-        return {**self.__dict__, "inflight": None, "failure": None, "pool": SnapshotPool()}
+        return {**self.__dict__, "inflight": None, "failure": None, "pool": SnapshotPool(), "mirror": None}
 
     def save(self, learn, s, files, background):
         self.retry = False
@@ -341,7 +361,7 @@ class Saves:
                 self.fail(f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e)
                 return None
         if dist.rank() == 0:
-            self.saved.append(path)
+            self._committed(path)
             _retain(files)  # only ever after a commit (and at autoresume): the newest `keep` of this run stay
         return path
 
@@ -368,13 +388,18 @@ class Saves:
             self.fail(f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact.", e)
             return
         self.retried = []
-        self.saved.append(path)  # its thread has applied the retention (`RunFolder.remove_stale`)
+        self._committed(path)  # its thread has applied the retention (`RunFolder.remove_stale`)
         if w.then_error is not None:
             warnings.warn(
                 f"AutoCheckpoint: saved {path}, then removing older checkpoints failed: {w.then_error!r}", stacklevel=3
             )
         for msg in w.then_result or ():
             warnings.warn(msg, stacklevel=3)
+
+    def _committed(self, path) -> None:
+        self.saved.append(path)
+        if self.mirror is not None:
+            self.mirror.committed(path)
 
     def fail(self, msg, exc):
         "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn and print."

@@ -31,7 +31,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import between, checkpoint, dist, io, paths, state
+from . import between, checkpoint, dist, io, paths, remote, state
 from ._hooks import imported
 from .compat import check_fastai_version
 from .fastai_classes import fastai_class, is_a
@@ -140,6 +140,9 @@ _SAVES_WITH_ITER = [0]  # resumable saves made by `Learner.save`: a subclass's `
 
 def _found_checkpoint(learn, file):
     "The file `learn.load(file)` reads, and whether it is ours: `(path or None, is ours)`."
+    if remote.is_url(file):  # s3://..., file://...: downloaded into the model folder first (`remote.fetch`)
+        path = remote.fetch(learn, file)
+        return path, io.is_checkpoint(path)
     if not paths.is_path(file):
         return None, False
     cands = paths.load_candidates(learn, file)
@@ -199,7 +202,8 @@ def _load_theirs(learn, file, path, load):
 @patch
 @delegates(load_model)
 def load(self: Learner, file, device=None, resume=True, fast_forward=False, **kwargs):
-    """Load model and optimizer state (if `with_opt`) from `self.path/self.model_dir/file` (or a buffer).
+    """Load model and optimizer state (if `with_opt`) from `self.path/self.model_dir/file` (or a buffer, or a
+    URL such as `s3://bucket/run/NAME.frk`, downloaded into the model folder first).
     A fastai_resume checkpoint saved mid-fit also arms the resume: the next training call of the same
     stage continues at the saved position (`resume=False` loads the weights only). The format is told
     by the file's magic bytes, never its name; vanilla fastai files load as fastai loads them.

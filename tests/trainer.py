@@ -154,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--ballast-mb", type=int, default=0, help="a constant buffer this big in the model (slower saves)")
     ap.add_argument("--fsize-mb", type=int, default=0, help="RLIMIT_FSIZE for this process (a full disk)")
     ap.add_argument("--on-error", default="raise")
+    ap.add_argument("--remote", default=None, help="AutoCheckpoint(remote=URL): mirror the checkpoints there")
+    ap.add_argument("--remote-wait", type=float, default=300.0, help="AutoCheckpoint(remote_wait=...)")
     ap.add_argument(
         "--show-warnings",
         action="store_true",
@@ -185,6 +187,7 @@ def main(argv=None):
                 keep=2,
                 background=not a.auto_sync,
                 on_error=a.on_error,
+                **(dict(remote=a.remote, remote_wait=a.remote_wait) if a.remote else {}),
             )
         )
     if a.fsize_mb:

@@ -78,6 +78,10 @@ class SaveAndDie(Callback):
         else:
             auto = next(c for c in self.learn.cbs if isinstance(c, fastai_resume.AutoCheckpoint))
             auto._check_inflight(block=True)
+            m = auto._mirror  # --remote: dies once the remote has it (a test then deletes this machine's disk)
+            if m is not None:
+                with m.cond:
+                    m.cond.wait_for(lambda: m.newest == auto.saved[-1].name, timeout=120)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -385,6 +389,7 @@ def main(argv=None):
     ap.add_argument("--load", default=None)
     ap.add_argument("--auto", type=int, default=0)
     ap.add_argument("--auto-per-fit", type=int, default=0)
+    ap.add_argument("--remote", default=None, help="with --auto: AutoCheckpoint(remote=URL)")
     ap.add_argument("--save-every", type=int, default=0, help="a user's callback saving `crash` every N batches")
     ap.add_argument("--branch-on-files", action="store_true", help="five: a between-stage load decided by the folder")
     ap.add_argument("--csv-append", action="store_true")
@@ -403,7 +408,8 @@ def main(argv=None):
     if a.save_every:
         learn.add_cb(SaveEvery(a.save_every))
     if a.auto:
-        learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
+        remote = dict(remote=a.remote) if a.remote else {}
+        learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward, **remote))
     if a.die:
         at = tuple(map(int, a.die.split(",")))
         learn.add_cb(SaveAndDie(at, save=not (a.auto or a.auto_per_fit), order=a.die_order, event=a.die_event))
