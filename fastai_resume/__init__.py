@@ -12,6 +12,9 @@ not import itself (the command-line tool imports no fastai at all). Where things
     loaders.py        each DataLoader's iteration state and the skip of k batches
     state.py          RNG, Recorder and callback state
     autosave.py       AutoCheckpoint: when to save, retention, autoresume, preemption
+    fsdp.py           fsdp_ctx: training a model sharded with FSDP2 (torchrun, gloo or NCCL)
+    sharded.py        a sharded model's checkpoints: one file per rank, a manifest; other world sizes
+    dcp.py            torch.distributed.checkpoint (DCP) import and export
     patches.py        the fastai patches
 """
 
@@ -27,14 +30,32 @@ __all__ = [
     "CheckpointError",
     "EXT",
     "ResumeSession",
+    "fsdp_ctx",
     "info",
     "is_checkpoint",
     "load",
     "save",
 ]
 
-_LAZY = {"AutoCheckpoint": "autosave", "PREEMPTED_EXIT_CODE": "autosave", "ResumeSession": "session"}
-_SUBMODULES = {"autosave", "checkpoint", "dist", "loaders", "patches", "paths", "session", "state"}
+_LAZY = {
+    "AutoCheckpoint": "autosave",
+    "PREEMPTED_EXIT_CODE": "autosave",
+    "ResumeSession": "session",
+    "fsdp_ctx": "fsdp",
+}
+_SUBMODULES = {
+    "autosave",
+    "checkpoint",
+    "dcp",
+    "dist",
+    "fsdp",
+    "loaders",
+    "patches",
+    "paths",
+    "session",
+    "sharded",
+    "state",
+}
 
 
 def __getattr__(name):  # fastai's classes are needed only once the user's code uses them

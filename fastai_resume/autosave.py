@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fastai.callback.core import Callback
 
-from . import check, checkpoint, dist, io, paths
+from . import check, checkpoint, dist, io, paths, sharded
 from .io import CheckpointError
 from .session import script, session_of
 from .snapshot import BackgroundCommit, SnapshotPool
@@ -154,7 +154,7 @@ class AutoCheckpoint(Callback):
         counts it; any other error (EMFILE, ENOMEM, EACCES ...) is raised: the file may be fine."""
         for p in reversed(self.checkpoints()):
             try:
-                io.info(p, verify=True)
+                sharded.verify(p)  # a file, or a sharded checkpoint's folder: the manifest and every shard
                 return p
             except CheckpointError as e:
                 warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=2)
@@ -300,10 +300,12 @@ class AutoCheckpoint(Callback):
             flags |= 2  # rank 0's clock decides for every rank
         if self._failure is not None:
             flags |= 4
+        flags |= sharded.writing(self)  # 8: this rank's file of a sharded save in flight is still being written
         if dist.active() and (self.preempt or self.every_seconds or self.background):
             flags = dist.agree_any(flags)  # a SIGTERM seen by any rank: every rank saves at this batch
         if flags & 4:
             self._raise_failure()
+        sharded.after_agreement(self, flags)  # every rank's file written: the manifest
         if flags & 1:
             self._check_inflight(block=True)
             path = self._save(background=False)
@@ -329,6 +331,7 @@ class AutoCheckpoint(Callback):
         """The fit ended in an exception or an interrupt (fastai runs no `after_fit` then): finish the save
         in flight, put the SIGTERM handler back, and let the next training call resume from the newest
         checkpoint, as a rerun of the script after a crash would."""
+        sharded.abandon(self)  # the other ranks may be gone: no manifest, no collective
         try:
             self._check_inflight(block=True)
         except Exception as e:
@@ -374,8 +377,8 @@ class AutoCheckpoint(Callback):
             if old == newest:
                 continue
             try:
-                size = old.stat().st_size
-                old.unlink()
+                size = sharded.size(old)
+                sharded.remove(old)
                 removed.append((old, size))
             except OSError:
                 pass
@@ -417,12 +420,14 @@ class AutoCheckpoint(Callback):
         if pos is None or self.run_id is None or os.environ.get(check.ENV):
             return None
         path = self._name(s.stage.index, s.fit_index, *pos)
-        done = path.exists() or (self._inflight is not None and self._inflight[1] == path)
+        done = sharded.exists(path) or (self._inflight is not None and self._inflight[1] == path)
         if dist.active():
             done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
         if done:
             return path  # already saved here
         self._check_inflight(block=True)  # at most one save in flight
+        if dist.sharded(learn.model):  # every rank writes its own file, a manifest last
+            return sharded.autosave(self, path, background)
         if not background:  # under DDP: every rank waits until rank 0 has committed
             removed: list = []
             for attempt in (0, 1):
@@ -465,6 +470,8 @@ class AutoCheckpoint(Callback):
         "The save in flight, if done (or `block`: once done). `last`: the fit has ended, no batch is left to save at."
         if self._inflight is None:
             return
+        if sharded.is_inflight(self._inflight):
+            return sharded.check_inflight(self, block, last)
         w, path = self._inflight
         if not block and not w.done:
             return
@@ -515,7 +522,7 @@ class AutoCheckpoint(Callback):
         failed = []
         for old in stale + self._stale_ends(folder, stale):
             try:
-                old.unlink()
+                sharded.remove(old)  # (a file, or a sharded checkpoint's folder)
             except OSError as e:
                 failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
         return failed

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from fastcore.foundation import L
 
-from . import _core, check, checkpoint, dist, io, loaders, paths, state
+from . import _core, check, checkpoint, dist, io, loaders, paths, sharded, state
 from .io import CheckpointError
 from .script import script
 
@@ -277,13 +277,15 @@ def _end_tree(learn, sc, st) -> dict | None:
         "loaders": [loaders.capture(dl) for dl in learn.dls.loaders],
         "recorder": None if rec is None or not hasattr(rec, "values") else _recorder_end(rec),
     }
-    ranks = dist.gather(mine) if dist.active() else None
-    if dist.rank() != 0:
+    per_rank = dist.sharded(learn.model)  # a sharded model: every rank writes its own part (`sharded`)
+    ranks = dist.gather(mine) if dist.active() and not per_rank else None
+    token = dist.all_gather_ints([secrets.randbits(62)])[0][0] if per_rank else secrets.randbits(62)
+    if dist.rank() != 0 and not per_rank:
         return None
     tree = checkpoint.model_tree(learn, with_opt=True)
     tree["end"] = {
         "stage": st.index,
-        "token": secrets.randbits(62),
+        "token": token,
         "signature": st.signature,
         **mine,
         "ranks": None if ranks is None else [None] + ranks[1:],
@@ -349,7 +351,7 @@ def stage_ended(learn, sc, st) -> None:
         return tree
 
     try:
-        checkpoint.commit(build, path)
+        checkpoint.commit(build, path, learn.model)
     except (OSError, CheckpointError) as e:  # training goes on; a rerun that skips this stage says so
         warnings.warn(
             f"fastai_resume: the end state of stage {st.index} could not be saved ({e}); a rerun that skips "
@@ -377,7 +379,7 @@ def _restore(learn, sc, st) -> None:
     else:
         path = _abs(learn, ref["file"])
         try:
-            tree = checkpoint.read(path)
+            tree = sharded.read(path, learn)
             end = tree.get("end")
             if not isinstance(end, dict) or end.get("token") != ref["token"]:
                 raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")

@@ -53,7 +53,8 @@ def model_tree(learn, with_opt: bool) -> dict:
 def build_tree(learn, with_opt=True, with_iter=False) -> dict | None:
     """What a save stores: the model, the optimizer and, `with_iter`, the training position and state.
     Under torch.distributed, `with_iter` is collective (every rank's RNG, loader and Recorder state go
-    to rank 0) and ranks other than 0 get None: they have nothing to write."""
+    to rank 0) and ranks other than 0 get None: they have nothing to write. A sharded model's ranks each
+    get their own tree (DTensors in it), with nothing gathered (`sharded.commit` writes it)."""
     train = None
     if with_iter:
         if getattr(learn, "opt", None) is None:
@@ -62,7 +63,7 @@ def build_tree(learn, with_opt=True, with_iter=False) -> dict | None:
 
         s = session_of(learn)
         train = s.capture() if s is not None else None
-    if dist.rank() != 0:
+    if dist.rank() != 0 and not dist.sharded(learn.model):
         return None
     tree = model_tree(learn, with_opt)
     if with_iter:
@@ -119,10 +120,15 @@ def remove_dead_temps(folder: Path, names=None) -> int:
     return n
 
 
-def commit(build, path: Path) -> None:
+def commit(build, path: Path, model=None) -> None:
     """Write the tree `build()` returns to `path` atomically, on rank 0 only. Under
     torch.distributed every rank calls it (`build` may be collective) and returns once the file is
-    committed, or raises if rank 0 could not build or write it."""
+    committed, or raises if rank 0 could not build or write it. A sharded `model`: every rank writes its
+    own file into the folder `path`, and a manifest is committed last (`sharded.commit`)."""
+    if dist.sharded(model):
+        from . import sharded
+
+        return sharded.commit(build, path, model)
     exc = None
     try:
         tree = build()

@@ -8,8 +8,13 @@ others. A decision that could differ between ranks (a time-based checkpoint, a S
 rank first, a failed background save) is agreed with one small all-reduce, so that every rank
 saves, or stops, at the same batch.
 
+A model sharded with FSDP2 (`sharded`: its parameters are DTensors) is saved the other way: every
+rank writes its own file and a manifest is committed last (`fastai_resume.sharded`); the ranks agree
+on the outcome with `all_gather_ints`, a few integers each.
+
 Also makes fastai's `DistributedDL` work on the CPU (gloo): fastai broadcasts the epoch's index
-list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU here.
+list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU here, and
+with one process there is nothing to broadcast.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ __all__ = [
     "gather",
     "broadcast",
     "agree_any",
+    "all_gather_ints",
+    "sharded",
     "patch_distributed_dl",
     "unwrap_dl",
     "is_distributed_dl",
@@ -87,6 +94,23 @@ def agree_any(flags: int) -> int:
     return sum(int(b) << i for i, b in enumerate(t.tolist()))
 
 
+def all_gather_ints(values: list) -> list:
+    "Every rank's list of int64 `values` (the same length on each), in rank order. Collective."
+    if not active():
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(D.get_world_size())]
+    D.all_gather(out, t, group=_group())
+    return [o.tolist() for o in out]
+
+
+def sharded(model) -> bool:
+    """Is `model` sharded across ranks (FSDP2's `fully_shard`: DTensor parameters)? A DTensor can exist
+    only once `torch.distributed.tensor` is imported: without it nothing is imported here."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and model is not None and any(isinstance(p, mod.DTensor) for p in model.parameters())
+
+
 def is_distributed_dl(dl) -> bool:
     "Is `dl` fastai's `DistributedDL` (or a subclass)? Without fastai.distributed loaded, it cannot be."
     mod = sys.modules.get("fastai.distributed")
@@ -101,7 +125,9 @@ def unwrap_dl(dl):
 
 
 def _broadcast_idxs(self, t, src):
-    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL."
+    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL (one process: as is)."
+    if not active():
+        return list(t)
     dev = torch.device("cuda", torch.cuda.current_device()) if D.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor(t, dtype=torch.long, device=dev)
     D.broadcast(t, src)
@@ -109,7 +135,7 @@ def _broadcast_idxs(self, t, src):
 
 
 def patch_distributed_dl() -> None:
-    "Called at a fit's or validation's start under a process group: fix fastai's CUDA-only broadcast."
+    "Called at a fit's or validation's start under a process group: fix fastai's CUDA-only broadcast (once)."
     mod = sys.modules.get("fastai.distributed")
     if mod is None:
         return

@@ -29,7 +29,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import _core, between, check, checkpoint, dist, io, loaders, paths, state
+from . import _core, between, check, checkpoint, dist, io, loaders, paths, sharded, state
 from ._hooks import imported
 from .io import CheckpointError
 from .session import Armed, FitPlan, ResumeSession, script, session_of, stage_call
@@ -45,15 +45,6 @@ def _is_lr_find(cbs) -> bool:
 
 def _check_same_fit(learn, pos, n_epoch):
     "A resumed fit must be the fit that was saved, or the result silently changes."
-    ws_saved, ws = pos["world_size"], dist.world()
-    if ws_saved != ws:
-        raise ValueError(
-            f"this checkpoint was saved by a fit of {ws_saved} process(es) and this fit runs {ws}: each rank's "
-            f"position, RNG state and share of the data belong to {ws_saved}. Launch {ws_saved} processes to "
-            f"resume exactly; or pass start_epoch (and start_iter) to continue anyway from the checkpoint's "
-            f"model and optimizer, re-sharded for {ws} (not the uninterrupted run's result); or resume=False "
-            "to start over."
-        )
     diffs = []
     if pos["n_epoch"] != n_epoch:
         diffs.append(f"n_epoch {pos['n_epoch']} -> {n_epoch}")
@@ -92,6 +83,9 @@ def _run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_
             return
     saved = a.train if a is not None else None
     pos = saved["position"] if saved else None
+    if saved is not None and not explicit and pos["world_size"] != dist.world():  # moved, counted in samples
+        saved = sharded.continue_at(learn, saved, a.path, n_epoch)
+        pos = saved["position"]
     target = _core.skip_plan(
         saved is not None,
         pos["epoch"] if saved else 0,
@@ -195,6 +189,8 @@ def save(self: Learner, file, with_iter=False, **kwargs):
     with_opt = kwargs.pop("with_opt", True)
     if with_iter and not with_opt:
         raise ValueError("save(with_iter=True) needs the optimizer state: drop with_opt=False")
+    if not with_iter and paths.is_path(file) and dist.sharded(self.model):  # fastai's would pickle rank 0's part
+        return sharded.save_model(self, file, with_opt)
     if not with_iter:
         if not paths.is_path(file):
             return self._orig_save(file, with_opt=with_opt, **kwargs)
@@ -216,7 +212,9 @@ def save(self: Learner, file, with_iter=False, **kwargs):
         sc.stage.saved_in(path.parent, path.name[: -len(io.EXT)])
     if rank_distrib() and not dist.active():
         return  # only rank 0 writes, as fastai does
-    checkpoint.commit(lambda: checkpoint.build_tree(self, with_opt, with_iter), path)  # under DDP: collective
+    checkpoint.commit(
+        lambda: checkpoint.build_tree(self, with_opt, with_iter), path, self.model
+    )  # under DDP: collective
     return path
 
 
@@ -229,7 +227,7 @@ def _found_checkpoint(learn, file):
         return None, False
     cands = paths.load_candidates(learn, file)
     path = cands[0] if cands else None
-    return path, path is not None and io.is_checkpoint(path)
+    return path, path is not None and (path.is_dir() or io.is_checkpoint(path))  # a folder: a sharded checkpoint
 
 
 def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict):
@@ -240,7 +238,7 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
         device = learn.dls.device
     if learn.opt is None:
         learn.create_opt()
-    tree = checkpoint.read(path)
+    tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
     checkpoint.load_tree(learn, path, tree, device, with_opt, strict)
     train = tree.get("train")
     if inside:

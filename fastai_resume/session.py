@@ -522,8 +522,9 @@ class ResumeSession(Callback):
             "recorder": state.recorder_state(rec) if rec is not None else None,
             "modules": state.module_states(learn.model),
         }
-        ranks = dist.gather(mine) if dist.active() else None  # collective: on every rank
-        if dist.rank() != 0:
+        per_rank = dist.sharded(learn.model)  # a sharded model: every rank writes its own file (`sharded`)
+        ranks = dist.gather(mine) if dist.active() and not per_rank else None  # collective: on every rank
+        if dist.rank() != 0 and not per_rank:
             return None  # rank 0 writes
         sc = script(learn)
         st = self.stage
@@ -584,8 +585,10 @@ def _on_training_device(learn, tree):
 
 
 def _pending_grads(model):
-    "The parameters' gradients if any is non-zero (accumulation in progress), else None."
+    """The parameters' gradients if any is non-zero (accumulation in progress), else None. A sharded
+    gradient (a DTensor) is judged by this rank's part: its `any()` would be a collective, and each rank
+    saves its own."""
     grads = [p.grad for p in model.parameters()]
-    if not any(g is not None and bool(g.any()) for g in grads):
+    if not any(g is not None and bool((g.to_local() if hasattr(g, "to_local") else g).any()) for g in grads):
         return None
     return [None if g is None else g.detach() for g in grads]
