@@ -768,12 +768,13 @@ def continue_at(learn, train: dict, source, n_epoch: int) -> dict:
         "saved_world_size": old,
     }
     msg = (
-        f"fastai_resume: {source} was saved by {old} process(es), this fit runs {new}: it continues at epoch "
-        f"{epoch}, iteration {it}/{n_iter} of each of the {new} (the position counted in samples: {done:,} "
-        f"training samples of the epoch were done"
+        f"fastai_resume: {source} was saved by {old} process(es) and this fit runs {new}: it continues at epoch "
+        f"{epoch}, iteration {it} of {n_iter} per process (the position counted in samples: {done:,} training "
+        "samples of the epoch were done"
         + (f"; {again:,} of them, less than a batch of every process, are trained again" if again else "")
-        + "). The model and optimizer are rebuilt exactly from the saved shards, but each process's share of the "
-        "data, and so the run, differs from the uninterrupted one: this is not its result"
+        + f"). The model and optimizer are the saved ones, rebuilt exactly for {new} process(es), but each "
+        "process's share of the data differs from the uninterrupted run's: the result is no longer the "
+        "uninterrupted run's"
     )
     print(msg, flush=True)
     warnings.warn(msg, stacklevel=3)
