@@ -32,7 +32,6 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -45,6 +44,7 @@ __all__ = [
     "SCHEMA",
     "commit",
     "read",
+    "gathered",
     "is_sharded_checkpoint",
     "read_manifest",
     "problem",
@@ -424,23 +424,16 @@ def _chunk_fits(e, t, where) -> None:
 
 def problem(path, verify: bool = True) -> str | None:
     """What is wrong with the sharded checkpoint `path` (None: the manifest and every shard are there, belong
-    together and, with `verify`, every checksum of every file verifies)."""
+    together, hold a well-formed checkpoint and, with `verify`, every checksum of every file verifies)."""
     try:
-        m = read_manifest(path)
-        for s in m["shards"]:
-            f = Path(path) / s["file"]
-            if not f.is_file():
-                return f"rank {s['rank']}'s file {s['file']} is missing"
-            if f.stat().st_size != s["size"]:
-                n = f.stat().st_size
-                return f"rank {s['rank']}'s file {s['file']} has {n:,} bytes, the manifest says {s['size']:,}"
-            tree = io.stand_ins(io.info(f, verify=verify)["tree"])
-            _check_shard_meta(tree, f, m, s["rank"])
-            checkpoint.check({k: v for k, v in tree.items() if k != "shard"} if "model" in tree else tree, f)
+        d = describe(path, verify)
     except CheckpointError as e:
         return str(e)
     except OSError as e:
         return f"{e.filename or path}: {e.strerror or e}"
+    for r in d["ranks"]:
+        if r["problem"]:
+            return f"rank {r['rank']}'s file {r['file']} {r['problem']}"
     return None
 
 
@@ -681,7 +674,10 @@ def read(path, learn) -> dict:
     return folder
 
 
-def _read_folder(path: Path, live: _Live) -> dict:
+def _open_folder(path: Path, base_rank: int | None = None):
+    """The sharded checkpoint at `path`, checked whole (manifest, every shard file there at its size), and one
+    rank's file read (`base_rank`: this rank's, or rank 0's for a rank the saved run did not have):
+    (manifest, its tree without its shard part, its DTensor entries, the `_Shards` of all)."""
     m = read_manifest(path)
     for s in m["shards"]:  # every rank checks them all: a checkpoint with a shard missing is invalid for all
         f = path / s["file"]
@@ -694,8 +690,8 @@ def _read_folder(path: Path, live: _Live) -> dict:
                 f"{path}: rank {s['rank']}'s file {s['file']} has {f.stat().st_size:,} bytes, the manifest "
                 f"says {s['size']:,}: the checkpoint is incomplete"
             )
-    n, r = m["world_size"], dist.rank()
-    base_rank = r if r < n else 0  # a rank the saved run did not have takes rank 0's own state
+    if base_rank is None:
+        base_rank = dist.rank() if dist.rank() < m["world_size"] else 0
     f = path / m["shards"][base_rank]["file"]
     tree = io.load(f)
     entries = _check_shard_meta(tree, f, m, base_rank)
@@ -705,10 +701,14 @@ def _read_folder(path: Path, live: _Live) -> dict:
     for e in entries:
         own[tuple(e["path"])] = t = _get(tree, e["path"], f)
         _chunk_fits(e, t, f)
-    shards = _Shards(path, m, base_rank, own, entries)
+    return m, tree, entries, _Shards(path, m, base_rank, own, entries)
+
+
+def _read_folder(path: Path, live: _Live) -> dict:
+    _, tree, entries, shards = _open_folder(path)
     for e in entries:
-        t = own[tuple(e["path"])]
-        size, offset, mesh, placements, device = live.part(e["path"], e["shape"], e["placements"], f)
+        t = shards.files[shards.own][0][tuple(e["path"])]
+        size, offset, mesh, placements, device = live.part(e["path"], e["shape"], e["placements"], path)
         if tuple(offset) == tuple(e["offset"]) and tuple(size) == tuple(t.shape):
             part = t  # this rank's own chunk (the file was read into memory of this process's own)
         else:
@@ -716,12 +716,16 @@ def _read_folder(path: Path, live: _Live) -> dict:
         if mesh is not None:
             part = _as_dtensor(part, e["shape"], mesh, placements, device)
         _set_at(tree, e["path"], part)
-    if tree.get("train") is not None and n != dist.world() and tree["train"].get("grads") is not None:
-        raise CheckpointError(
-            f"{path}: saved by {n} process(es) in the middle of a gradient accumulation; its partial gradients "
-            f"cannot be continued by {dist.world()}: resume it with {n}, or from a checkpoint saved at an "
-            "optimizer step"
-        )
+    return tree
+
+
+def gathered(path) -> dict:
+    """The sharded checkpoint at `path` as one process's tree: every saved DTensor whole (from every rank's
+    chunks), everything else rank 0's (its buffers and training state). For the command-line tool's
+    conversions, which hold the whole state in their one process (the training ranks never do)."""
+    _, tree, entries, shards = _open_folder(Path(path), 0)
+    for e in entries:
+        _set_at(tree, e["path"], shards.region(e["path"], e["shape"], (0,) * len(e["shape"]), e["shape"]))
     return tree
 
 
@@ -749,6 +753,12 @@ def continue_at(learn, train: dict, source, n_epoch: int) -> dict:
         )
     if not bs:
         raise ValueError(f"{source}: its training loader has no batch size: it cannot be continued by {new} processes")
+    if train.get("grads") is not None:
+        raise ValueError(
+            f"{source} was saved by {old} process(es) in the middle of a gradient accumulation; its partial "
+            f"gradients (sums over each process's own batches) cannot be continued by {new}: resume it with "
+            f"{old}, or from a checkpoint saved at an optimizer step"
+        )
     n_iter = batches_per_rank(pos["n_iter_all"], new)
     done = pos["iter"] * bs * old  # training samples of this epoch done, across the saved ranks
     if pos.get("loader_done") or pos["iter"] >= pos["n_iter"]:
@@ -882,41 +892,42 @@ def abandon(cb) -> None:
 # ---- what the command-line tool shows ---------------------------------------------------------------
 
 
-def describe(path) -> dict:
-    """The manifest and, per rank, its file's facts (size, whether it verifies) and the chunks of every
-    tensor it holds (global shape, offset, local shape): for `fastai-resume inspect`."""
+def describe(path, verify: bool = True) -> dict:
+    """For `fastai-resume inspect` and `verify`: the manifest, and per rank its file's facts (size; what is wrong
+    with it, or None) and its chunk of every saved DTensor (path, global shape, offset, local shape); the tree
+    of the first rank's file that is well formed (`io.info`'s, its tensors as table entries), or None. Raises
+    only if the manifest is unreadable."""
     m = read_manifest(path)
     ranks: list = []
+    first = None
     for s in m["shards"]:
         f = Path(path) / s["file"]
         row: dict = {"rank": s["rank"], "file": s["file"], "size": s["size"], "problem": None, "chunks": []}
+        ranks.append(row)
         try:
-            info = io.info(f, verify=True)
-        except CheckpointError as e:
+            if not f.is_file():
+                raise _Bad("is missing")
+            if f.stat().st_size != s["size"]:
+                raise _Bad(f"has {f.stat().st_size:,} bytes, the manifest says {s['size']:,}")
+            info = io.info(f, verify=False)
+            tree = io.stand_ins(info["tree"])
+            entries = _check_shard_meta(tree, f, m, s["rank"])
+            checkpoint.check({k: v for k, v in tree.items() if k != "shard"}, f)
+            if verify:
+                io.info(f, verify=True)
+        except _Bad as e:
             row["problem"] = str(e)
-            try:
-                info = io.info(f, verify=False)
-            except (CheckpointError, OSError) as e2:
-                row["problem"] = str(e2)
-                ranks.append(row)
-                continue
-        except OSError as e:
-            row["problem"] = f"{f}: {e.strerror}"
-            ranks.append(row)
             continue
-        tree = info["tree"]
-        try:
-            entries = _check_shard_meta(io.stand_ins(tree), f, m, s["rank"])
-        except CheckpointError as bad:
-            row["problem"] = row["problem"] or str(bad)
-            entries = []
+        except (CheckpointError, OSError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            row["problem"] = why[len(f"{f}: ") :] if why.startswith(f"{f}: ") else why
+            continue
+        if first is None:
+            first = info["tree"]
         for entry in entries:
             try:
-                ref: Any = _at(tree, entry["path"])
-                local = list(ref.shape)
+                local = list(_at(info["tree"], entry["path"]).shape)
             except (KeyError, IndexError, TypeError, AttributeError):
                 local = None
             row["chunks"].append((".".join(map(str, entry["path"])), entry["shape"], entry["offset"], local))
-        row["tree"] = tree
-        ranks.append(row)
-    return {"manifest": m, "ranks": ranks}
+    return {"manifest": m, "ranks": ranks, "tree": first}

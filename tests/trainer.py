@@ -48,8 +48,8 @@ class SaveAndDie(Callback):
 
     order = 100
 
-    def __init__(self, epoch, k, name, event="after_batch"):
-        self.at, self.fname, self.event = (epoch, k), name, event
+    def __init__(self, epoch, k, name, event="after_batch", dump=None):
+        self.at, self.fname, self.event, self.dump = (epoch, k), name, event, dump
         setattr(self, event, self._maybe)
 
     def _maybe(self):
@@ -59,6 +59,8 @@ class SaveAndDie(Callback):
         elif self.epoch != self.at[0]:
             return
         self.learn.save(self.fname, with_iter=True)
+        if self.dump is not None:  # the state at the save, taken from the live learner (gathered if sharded)
+            fastai_resume.save(model_state(self.learn), self.dump)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -212,9 +214,14 @@ def main(argv=None):
     ap.add_argument(
         "--fsdp", action="store_true", help="train inside fastai_resume's fsdp_ctx(cpu=True) (launch with torchrun)"
     )
+    ap.add_argument("--cuda", action="store_true", help="under --fsdp: on this rank's GPU (NCCL)")
     ap.add_argument("--bn", action="store_true", help="a model with BatchNorm and unevenly sharded rows")
     ap.add_argument("--kill-in-save", default=None, help="R,N: under --fsdp rank R dies in its N-th save")
-    ap.add_argument("--dump-start", action="store_true", help="write the model and optimizer as loaded to OUT.start")
+    ap.add_argument(
+        "--dump-state",
+        action="store_true",
+        help="write the model and optimizer as saved (OUT.saved) or as loaded (OUT.start)",
+    )
     ap.add_argument("--shared-buffers", action="store_true", help="negative control: rank 0's buffers on every rank")
     ap.add_argument("--start-epoch", type=int, default=0)
     ap.add_argument(
@@ -268,9 +275,9 @@ def main(argv=None):
     fit_cbs = []
     if a.die_at:
         e, k = map(int, a.die_at.split(","))
-        fit_cbs.append(SaveAndDie(e, k, "crash", a.die_event))
+        fit_cbs.append(SaveAndDie(e, k, "crash", a.die_event, f"{a.out}.saved" if a.dump_state else None))
     if a.fsdp:
-        ctx = fastai_resume.fsdp_ctx(learn, cpu=True)
+        ctx = fastai_resume.fsdp_ctx(learn, cpu=not a.cuda)
     elif a.ddp:
         ctx = learn.distrib_ctx(cpu=True)
     else:
@@ -284,7 +291,7 @@ def main(argv=None):
 def train(learn, a, fit_cbs):
     if a.resume:
         learn.load(a.resume)
-        if a.dump_start:
+        if a.dump_state:
             fastai_resume.save(model_state(learn), f"{a.out}.start")
         if a.break_data_order:
             train = fastai_resume.session.script(learn).armed.train
