@@ -92,12 +92,6 @@ def _placements(v, where: str) -> list:
     return out
 
 
-def _torch_placements(stored: list) -> list:
-    from torch.distributed.tensor import Replicate, Shard
-
-    return [Shard(p[1]) if p[0] == "shard" else Replicate() for p in stored]
-
-
 def _chunk(shape, mesh, placements) -> tuple:
     "(local shape, global offset) of this rank's part of a tensor of global `shape` so placed."
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -514,6 +508,16 @@ class _Shards:
                     self.chunks.setdefault(tuple(e["path"]), []).append((r, e))
         return self.chunks
 
+    def _shape(self, r: int, e: dict) -> tuple:
+        "A saved chunk's shape, from the file's tensor table (its data not read)."
+        src, _ = self.files[r]
+        if isinstance(src, _Shard):
+            ref = _get(src.tree, e["path"], src.path)
+            if not isinstance(ref, _Ref):
+                raise CheckpointError(f"{src.path}: {'.'.join(map(str, e['path']))}: expected a tensor")
+            return tuple(ref.t.shape)
+        return tuple(src[tuple(e["path"])].shape)
+
     def _read(self, r: int, e: dict) -> torch.Tensor:
         src, _ = self.files[r]
         t = src.tensor(e["path"]) if isinstance(src, _Shard) else src[tuple(e["path"])]
@@ -533,6 +537,17 @@ class _Shards:
         need = 1
         for n in size:
             need *= n
+        boxes = set()
+        for r, e in found:
+            boxes.add((tuple(e["offset"]), self._shape(r, e)))
+        held = 0
+        for _, shp in boxes:
+            vol = 1
+            for n in shp:
+                vol *= n
+            held += vol
+        if need > held:  # (checked before anything is allocated: the files' own data bound what a load makes)
+            raise CheckpointError(f"{self.folder}: {key}: the saved chunks hold {held} elements, {need} are needed")
         if need == 0:
             return torch.empty(size, dtype=self._read(*found[0]).dtype)
         out, covered, seen = None, 0, set()
@@ -573,8 +588,6 @@ class _Live:
         opt = getattr(learn, "opt", None)
         groups = getattr(opt, "param_lists", getattr(opt, "param_groups", [])) if opt is not None else []
         self.opt_params = [p for pg in groups for p in (pg["params"] if isinstance(pg, dict) else pg)]
-        self.sharded = any(is_dtensor(p) for p in self.params)
-        self.mesh = next((p.device_mesh for p in self.params if is_dtensor(p)), None)
 
     def like(self, path):
         "The live tensor the value at `path` is (a parameter, a buffer), or belongs to (a gradient, a state), or None."
@@ -586,26 +599,22 @@ class _Live:
             return self.params[path[2]] if 0 <= path[2] < len(self.params) else None
         return None
 
-    def part(self, path, shape, saved_placements, where):
+    def part(self, path, shape, where):
         """Where this rank's part of a tensor of global `shape` saved at `path` lies now: (local size, offset,
-        mesh, placements, device); mesh None: the whole tensor (a model that is not sharded)."""
+        mesh, placements, device); mesh None: the whole tensor (a model that is not sharded). A saved tensor
+        that is no tensor of this model (in name or shape) is refused: nothing is allocated for it."""
         live = self.like(path)
         key = ".".join(map(str, path))
-        if live is not None and tuple(live.shape) != tuple(shape):
+        if live is None:
+            raise CheckpointError(f"{where}: {key}: saved as a sharded tensor; this model has no such tensor")
+        if tuple(live.shape) != tuple(shape):
             raise CheckpointError(
                 f"{where}: {key}: shape {tuple(shape)} in the file, {tuple(live.shape)} in this model"
             )
-        if live is not None and is_dtensor(live):
+        if is_dtensor(live):
             size, offset = _chunk(shape, live.device_mesh, live.placements)
             return size, offset, live.device_mesh, list(live.placements), live.to_local().device
-        if live is not None or self.mesh is None:
-            dev = live.device if live is not None else torch.device("cpu")
-            return tuple(shape), (0,) * len(shape), None, None, dev
-        placements = _torch_placements(saved_placements)
-        if len(placements) != self.mesh.ndim:
-            return tuple(shape), (0,) * len(shape), None, None, torch.device("cpu")
-        size, offset = _chunk(shape, self.mesh, placements)
-        return size, offset, self.mesh, placements, torch.device(self.mesh.device_type)
+        return tuple(shape), (0,) * len(shape), None, None, live.device
 
 
 def _as_dtensor(t, shape, mesh, placements, device):
@@ -649,12 +658,12 @@ def read(path, learn) -> dict:
     whole tensors. At the saved world size each rank reads only its own file. A folder is read by every
     rank together (a collective, as its save): one rank's error is raised on every rank."""
     path = Path(path)
-    live = _Live(learn)
     if not path.is_dir():
         tree = checkpoint.read(path)
-        if live.sharded:
-            _distribute(tree, live, path)
+        if dist.sharded(learn.model):
+            _distribute(tree, _Live(learn), path)
         return tree
+    live = _Live(learn)
     folder: dict | None = None
     err = None
     try:
@@ -708,7 +717,7 @@ def _read_folder(path: Path, live: _Live) -> dict:
     _, tree, entries, shards = _open_folder(path)
     for e in entries:
         t = shards.files[shards.own][0][tuple(e["path"])]
-        size, offset, mesh, placements, device = live.part(e["path"], e["shape"], e["placements"], path)
+        size, offset, mesh, placements, device = live.part(e["path"], e["shape"], path)
         if tuple(offset) == tuple(e["offset"]) and tuple(size) == tuple(t.shape):
             part = t  # this rank's own chunk (the file was read into memory of this process's own)
         else:

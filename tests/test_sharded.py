@@ -190,6 +190,25 @@ def test_a_folder_without_its_manifest_is_no_checkpoint(ckpt, tmp_path):
         _learner(tmp_path).load("two")
 
 
+def _rewrite_shards(folder, change):
+    "Apply `change(tree)` to every rank's file of the hand-built checkpoint, the manifest's sizes kept right."
+    m = fr.load(folder / "manifest.frk")
+    for s in m["shards"]:
+        tree = fr.load(folder / s["file"])
+        change(tree)
+        s["size"] = fr.save(tree, folder / s["file"])
+    fr.save(m, folder / "manifest.frk")
+
+
+def test_a_sharded_tensor_of_another_shape_is_refused_before_anything_is_allocated(ckpt, tmp_path, capsys):
+    folder, _, _ = ckpt
+    _rewrite_shards(folder, lambda t: t["shard"]["dtensors"][0].update(shape=[7_000_000_000, 5]))
+    with pytest.raises(fr.CheckpointError, match=r"shape \(7000000000, 5\) in the file, \(7, 5\) in this model"):
+        _learner(tmp_path).load("two")
+    assert cli(["convert", str(folder), str(tmp_path / "out.pth")]) == 2  # no model to compare with: the data
+    assert "the saved chunks hold 35 elements" in capsys.readouterr().err  # bounds what is made
+
+
 @pytest.mark.parametrize(
     "change,error",
     [
