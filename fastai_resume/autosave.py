@@ -229,6 +229,7 @@ class AutoCheckpoint(Callback):
         "Temporary files of this run's saves whose process is gone (killed mid-save): never valid."
         pat = self._pattern()
         checkpoint.remove_dead_temps(self.folder, lambda name: bool(pat.match(name)))
+        sharded.remove_unfinished(self.folder, lambda name: bool(pat.match(name)))  # folders without a manifest
 
     def arm_resume(self, stage):
         """Called when a training call (a stage) begins: identifies the run, takes its lock, and the first

@@ -90,6 +90,11 @@ def cloned(tree):
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]+$")
 
 
+def is_temp(name: str) -> bool:
+    "Is `name` a commit's temporary file (a save in progress, or one whose writer died)?"
+    return _TEMP.match(name) is not None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -212,9 +212,8 @@ def save(self: Learner, file, with_iter=False, **kwargs):
         sc.stage.saved_in(path.parent, path.name[: -len(io.EXT)])
     if rank_distrib() and not dist.active():
         return  # only rank 0 writes, as fastai does
-    checkpoint.commit(
-        lambda: checkpoint.build_tree(self, with_opt, with_iter), path, self.model
-    )  # under DDP: collective
+    build = lambda: checkpoint.build_tree(self, with_opt, with_iter)  # noqa: E731
+    checkpoint.commit(build, path, self.model)  # under DDP, and a sharded model: collective
     return path
 
 

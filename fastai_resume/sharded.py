@@ -51,6 +51,7 @@ __all__ = [
     "verify",
     "exists",
     "remove",
+    "remove_unfinished",
     "size",
     "continue_at",
     "save_model",
@@ -292,6 +293,24 @@ def remove(path) -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(p)
+
+
+def remove_unfinished(folder: Path, names=None) -> int:
+    """Remove the sharded checkpoints in `folder` (those whose names `names` accepts) that a killed save left
+    without a manifest, and dead writers' temporary files in the others: never a checkpoint, as a dead
+    writer's temporary file is not. A folder in which a live process is still writing is left alone."""
+    n = 0
+    if not folder.is_dir():
+        return 0
+    for p in folder.iterdir():
+        if not p.is_dir() or not p.name.endswith(io.EXT) or (names is not None and not names(p.name)):
+            continue
+        checkpoint.remove_dead_temps(p)
+        if (p / MANIFEST).exists() or any(checkpoint.is_temp(f.name) for f in p.iterdir()):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        n += 1
+    return n
 
 
 class _Bad(Exception):
