@@ -212,7 +212,7 @@ def cmd_inspect(a):
             raise Failure(
                 f"{a.file}: a DCP checkpoint (torch.distributed.checkpoint); `fastai-resume convert` imports it"
             )
-        raise Failure(f"{a.file}: is a folder, neither a sharded checkpoint nor a DCP one")
+        raise Failure(f"{a.file}: is a folder, not a file (nor a sharded or a DCP checkpoint)")
     head, size = _head(a.file)
     if not _claims_format(head, size):
         raise Failure(f"{a.file}: {_not_ours(head)}")
@@ -410,7 +410,7 @@ def _source(src: Path, head: bytes | None, size: int) -> tuple:
             _check_learner(tree, src)
             what = "a sharded checkpoint"
         else:
-            raise Failure(f"{src}: a folder, neither a sharded checkpoint nor a DCP one")
+            raise Failure(f"{src}: is a folder, not a file (nor a sharded or a DCP checkpoint)")
         import torch
 
         model = tree.get("model") if isinstance(tree, dict) else None

@@ -148,7 +148,7 @@ def test_another_world_size_continues_counted_in_samples_says_so_or_restarts_an_
     assert "saved by 2 process(es) and this fit runs 1" in p.stdout and "at epoch 1, iteration 20/46" in p.stdout
     assert "no longer the uninterrupted run's" in p.stdout
     res = fr.load(tmp_path / "one.frk")
-    assert len(res["seen"]["1"]) == (46 - 20) * BS and len(res["losses"]) == N_ITER + 10 + (46 - 20) + 46
+    assert len(res["seen"]["1"]) == 1500 - 20 * BS and len(res["losses"]) == N_ITER + 10 + (46 - 20) + 46
     assert not equal(res["model"], reference(tmp_root)[0]["model"])  # as said: not the 2-process run's result
     # an explicit start_epoch starts that epoch from the checkpoint's model and optimizer
     p = FORKS.run(single + ["--resume", "crash", "--start-epoch", "2"], ENV, 600)
