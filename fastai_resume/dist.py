@@ -105,10 +105,15 @@ def all_gather_ints(values: list) -> list:
 
 
 def sharded(model) -> bool:
-    """Is `model` sharded across ranks (FSDP2's `fully_shard`: DTensor parameters)? A DTensor can exist
-    only once `torch.distributed.tensor` is imported: without it nothing is imported here."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and model is not None and any(isinstance(p, mod.DTensor) for p in model.parameters())
+    """Is `model` sharded across ranks: FSDP2's `fully_shard` made a module of it an `FSDPModule` (its
+    parameters are DTensors, except while a forward holds them whole), or a parameter is a DTensor? Neither
+    can exist before torch imports them: without them nothing is imported here."""
+    if model is None:
+        return False
+    fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+        return True
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
 
 
 def is_distributed_dl(dl) -> bool:

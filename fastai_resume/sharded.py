@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from . import _core, checkpoint, dist, io, loaders
+from . import _core, checkpoint, dist, io, loaders, paths
 from .io import CheckpointError
 from .paths import MANIFEST
 
@@ -144,11 +144,12 @@ def localize(tree) -> tuple:
 
 
 def _reshard(model) -> None:
-    "Every FSDP2 module of `model` back to its sharded parameters (after a forward that kept them whole)."
-    if model is None:
+    "Every FSDP2 module of `model` back to its sharded parameters (after a forward that kept them whole; local)."
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if model is None or fsdp is None:
         return
     for m in model.modules():
-        if hasattr(m, "reshard") and type(m).__name__.startswith("FSDP"):
+        if isinstance(m, fsdp.FSDPModule):
             m.reshard()
 
 
@@ -252,8 +253,6 @@ def commit(build, path: Path, model=None) -> None:
 
 def save_model(learn, file, with_opt: bool = True) -> Path:
     "`learn.save(file)` of a sharded model: a sharded checkpoint of the model (and optimizer), no position."
-    from . import paths
-
     path = paths.with_ext(paths.resolve(learn, file))
     commit(lambda: checkpoint.model_tree(learn, with_opt), path, learn.model)
     return path
@@ -677,6 +676,7 @@ def read(path, learn) -> dict:
     whole tensors. At the saved world size each rank reads only its own file. A folder is read by every
     rank together (a collective, as its save): one rank's error is raised on every rank."""
     path = Path(path)
+    _reshard(learn.model)  # (its parameters as the DTensors it keeps between batches)
     if not path.is_dir():
         tree = checkpoint.read(path)
         if dist.sharded(learn.model):
