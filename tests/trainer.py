@@ -140,22 +140,20 @@ def model_state(learn):
     }
 
 
-class KillInSave(Callback):
+def kill_in_save(rank, n):
     "Under --fsdp: rank `rank` dies by SIGKILL in its `n`-th sharded save, once its file is written, before the manifest."
+    import fastai_resume.sharded as sh
 
-    def __init__(self, rank, n):
-        import fastai_resume.sharded as sh
+    left, orig = [n], sh._finish
 
-        self.left, orig = n, sh._finish
+    def finish(*args, **kwargs):
+        left[0] -= 1
+        if int(os.environ["RANK"]) == rank and left[0] == 0:
+            print(f"rank {rank}: SIGKILL in a save", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return orig(*args, **kwargs)
 
-        def finish(*args, **kwargs):
-            self.left -= 1
-            if int(os.environ["RANK"]) == rank and self.left == 0:
-                print(f"rank {rank}: SIGKILL in a save", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return orig(*args, **kwargs)
-
-        sh._finish = finish
+    sh._finish = finish
 
 
 def result(learn):
@@ -263,7 +261,7 @@ def main(argv=None):
     if a.workers == 0:
         learn.add_cb(SeenItems(learn.dls.train))
     if a.kill_in_save:
-        KillInSave(*map(int, a.kill_in_save.split(",")))
+        kill_in_save(*map(int, a.kill_in_save.split(",")))
     if a.ddp or a.fsdp:  # ranks draw different augmentation noise and dropout masks: per-rank RNG matters
         import fastai.distributed  # noqa: F401  (defines Learner.distrib_ctx)
 
