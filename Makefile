@@ -89,13 +89,14 @@ compat: build
 demo: build
 	$(PY) -m fastai_resume.demo
 
-# Every benchmark writes bench/results/NAME.json; report.py turns them into the README's tables.
+# Every benchmark writes bench/results/NAME.json; report.py turns them into the README's tables (and docs/sharded.md's).
 bench: build
 	$(PY) bench/io.py
 	$(PY) bench/resume.py
 	$(PY) bench/overhead.py
 	$(PY) bench/scale.py
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py
+	$(PY) bench/sharded.py
 	$(PY) bench/report.py
 
 clean:

@@ -20,9 +20,12 @@ not import itself (the command-line tool imports no fastai at all). Where things
     session.py             one fit's resume: its callback, position, skip, restore
     snapshot.py            background saves (a copy at the batch boundary, written by a thread)
     remote.py              checkpoints mirrored to object storage (fsspec), resumed from it elsewhere
+    sharded.py, dcp.py     a sharded (FSDP2) model's checkpoints: a file per rank, a manifest; other
+                           world sizes; torch.distributed.checkpoint (DCP) import and export
     runfolder.py,          AutoCheckpoint: a run's files (names, lock, retention); when to save,
     autosave.py            autoresume, preemption, the remote mirror
     patches.py             every patch of fastai
+    fsdp.py                fsdp_ctx: training a model sharded with FSDP2 (torchrun, gloo or NCCL)
 """
 
 import importlib
@@ -37,20 +40,28 @@ __all__ = [
     "CheckpointError",
     "EXT",
     "ResumeSession",
+    "fsdp_ctx",
     "info",
     "is_checkpoint",
     "load",
     "save",
 ]
 
-_LAZY = {"AutoCheckpoint": "autosave", "PREEMPTED_EXIT_CODE": "autosave", "ResumeSession": "session"}
+_LAZY = {
+    "AutoCheckpoint": "autosave",
+    "PREEMPTED_EXIT_CODE": "autosave",
+    "ResumeSession": "session",
+    "fsdp_ctx": "fsdp",
+}
 _SUBMODULES = {
     "autosave",
     "between",
     "callbacks",
     "check",
     "checkpoint",
+    "dcp",
     "dist",
+    "fsdp",
     "loaders",
     "patches",
     "paths",
@@ -58,6 +69,7 @@ _SUBMODULES = {
     "runfolder",
     "script",
     "session",
+    "sharded",
     "stages",
     "state",
     "trainstate",

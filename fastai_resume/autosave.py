@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fastai.callback.core import Callback
 
-from . import check, checkpoint, dist, paths
+from . import check, checkpoint, dist, paths, sharded
 from . import remote as _remote
 from .io import CheckpointError
 from .runfolder import RunFolder, run_identity
@@ -36,6 +36,7 @@ class Agreed(enum.IntFlag):
     PREEMPTED = 1  # a SIGTERM seen by any rank: every rank saves at this batch, then exits
     TIME_DUE = 2  # `every_seconds` has passed, by rank 0's clock
     FAILED = 4  # rank 0's background save failed: every rank raises together
+    WRITING = 8  # a sharded save's file is still being written on some rank: its manifest waits
 
 
 class AutosaveRun:
@@ -240,10 +241,12 @@ class AutoCheckpoint(Callback):
             flags |= Agreed.TIME_DUE  # rank 0's clock decides for every rank
         if self.saves.failure is not None:
             flags |= Agreed.FAILED
+        flags |= sharded.writing(self.saves)
         if dist.active() and (self.preempt or self.every_seconds or self.background):
             flags = Agreed(dist.agree_any(int(flags)))
         if flags & Agreed.FAILED:
             self.saves.raise_failure()
+        sharded.after_agreement(self.saves, self.files, int(flags))  # every rank's file written: the manifest
         if flags & Agreed.PREEMPTED:
             self._check_inflight(block=True)
             path = self._save(background=False)
@@ -269,6 +272,7 @@ class AutoCheckpoint(Callback):
         """The fit ended in an exception or an interrupt (fastai runs no `after_fit` then): finish the save
         in flight, put the SIGTERM handler back, and let the next training call resume from the newest
         checkpoint, as a rerun of the script after a crash would."""
+        sharded.abandon(self.saves)  # the other ranks may be gone: no manifest, no collective
         try:
             self._check_inflight(block=True)
         except Exception as e:
@@ -316,12 +320,14 @@ class Saves:
         if pos is None:
             return None
         path = files.name(s.stage.index, s.fit_index, *pos)
-        done = path.exists() or (self.inflight is not None and self.inflight[1] == path)
+        done = sharded.exists(path) or (self.inflight is not None and self.inflight[1] == path)
         if dist.active():
             done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
         if done:
             return path  # already saved here
         self.check_inflight(files, block=True)  # at most one save in flight
+        if dist.sharded(learn.model):  # every rank writes its own file, a manifest last
+            return sharded.autosave(self, learn, files, path, background)
         if not background:
             return self._now(learn, files, path)
         tree = checkpoint.build_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
@@ -360,15 +366,15 @@ class Saves:
                     return None
                 self.fail(f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e)
                 return None
-        if dist.rank() == 0:
-            self._committed(path)
-            _retain(files)  # only ever after a commit (and at autoresume): the newest `keep` of this run stay
+        self.committed(path, files if dist.rank() == 0 else None)
         return path
 
     def check_inflight(self, files, block, last=False):
         "The save in flight, if done (or `block`: once done). `last`: the fit has ended, no batch is left to save at."
         if self.inflight is None:
             return
+        if sharded.is_inflight(self.inflight):
+            return sharded.check_inflight(self, files, block, last)
         w, path = self.inflight
         if not block and not w.done:
             return
@@ -388,7 +394,7 @@ class Saves:
             self.fail(f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact.", e)
             return
         self.retried = []
-        self._committed(path)  # its thread has applied the retention (`RunFolder.remove_stale`)
+        self.committed(path)  # its thread has applied the retention (`RunFolder.remove_stale`)
         if w.then_error is not None:
             warnings.warn(
                 f"AutoCheckpoint: saved {path}, then removing older checkpoints failed: {w.then_error!r}", stacklevel=3
@@ -396,10 +402,14 @@ class Saves:
         for msg in w.then_result or ():
             warnings.warn(msg, stacklevel=3)
 
-    def _committed(self, path) -> None:
+    def committed(self, path, files=None) -> None:
+        """`path` is committed: the mirror gets it and, `files` given (rank 0, not the writer thread), the
+        retention runs (only ever after a commit, and at autoresume: the newest `keep` of this run stay)."""
         self.saved.append(path)
         if self.mirror is not None:
             self.mirror.committed(path)
+        if files is not None:
+            _retain(files)
 
     def fail(self, msg, exc):
         "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn and print."

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from fastcore.foundation import L
 
-from . import _core, check, checkpoint, dist, io, paths, state, trainstate
+from . import _core, check, checkpoint, dist, io, paths, sharded, state, trainstate
 from .fastai_classes import is_a
 from .io import CheckpointError
 from .script import script
@@ -279,7 +279,7 @@ def stage_ended(learn, sc, st) -> None:
         return {**checkpoint.model_tree(learn, with_opt=True), "end": end}
 
     try:
-        checkpoint.commit(build, path)
+        sharded.commit_checkpoint(build, path, learn.model)
     except (OSError, CheckpointError) as e:  # training goes on; a rerun that skips this stage says so
         warnings.warn(
             f"fastai_resume: the end state of stage {st.index} could not be saved ({e}); a rerun that skips "
@@ -306,7 +306,7 @@ def _restore(learn, sc, st) -> None:
     else:
         path = _abs(learn, ref["file"])
         try:
-            tree = checkpoint.read(path)
+            tree = sharded.read(path, learn)
             end = tree.get("end")
             if not isinstance(end, dict) or end.get("token") != ref["token"]:
                 raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")

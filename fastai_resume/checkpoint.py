@@ -52,14 +52,15 @@ def model_tree(learn, with_opt: bool) -> dict:
 def build_tree(learn, with_opt=True, with_iter=False) -> dict | None:
     """What a save stores: the model, the optimizer and, `with_iter`, the training position and state.
     Under torch.distributed, `with_iter` is collective (every rank's RNG, loader and Recorder state go
-    to rank 0) and ranks other than 0 get None: they have nothing to write."""
+    to rank 0) and ranks other than 0 get None: they have nothing to write. A sharded model's ranks each
+    get their own tree (DTensors in it), with nothing gathered (`sharded.commit` writes it)."""
     train = None
     if with_iter:
         if getattr(learn, "opt", None) is None:
             raise ValueError("save(with_iter=True): the learner has no optimizer yet (call fit or create_opt first)")
         s = session_of(learn)
         train = trainstate.capture(s) if s is not None else None
-    if dist.rank() != 0:
+    if dist.rank() != 0 and not dist.sharded(learn.model):
         return None
     tree = model_tree(learn, with_opt)
     if with_iter:
@@ -84,6 +85,11 @@ def cloned(tree):
 
 # A commit's temporary file (csrc/commit.c): `.<name>.tmp.<pid>.<16 random hex digits>` (older writers: `.<n>`, a count)
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]+$")
+
+
+def is_temp(name: str) -> bool:
+    "Is `name` a commit's temporary file (a save in progress, or one whose writer died)?"
+    return _TEMP.match(name) is not None
 
 
 def _alive(pid: int) -> bool:

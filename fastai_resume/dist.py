@@ -8,9 +8,15 @@ others. A decision that could differ between ranks (a time-based checkpoint, a S
 rank first, a failed background save) is agreed with one small all-reduce, so that every rank
 saves, or stops, at the same batch.
 
+A model sharded with FSDP2 (`sharded`: its parameters are DTensors) is saved the other way: every
+rank writes its own file and a manifest is committed last (`fastai_resume.sharded`); the ranks agree
+on the outcome with `all_gather_ints`, a few integers each.
+
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as D
@@ -24,6 +30,8 @@ __all__ = [
     "gather",
     "broadcast",
     "agree_any",
+    "all_gather_ints",
+    "sharded",
     "unwrap_dl",
     "is_distributed_dl",
 ]
@@ -82,6 +90,28 @@ def agree_any(flags: int) -> int:
     t = torch.tensor([(flags >> i) & 1 for i in range(8)], dtype=torch.int32)
     D.all_reduce(t, op=D.ReduceOp.MAX, group=_group())
     return sum(int(b) << i for i, b in enumerate(t.tolist()))
+
+
+def all_gather_ints(values: list) -> list:
+    "Every rank's list of int64 `values` (the same length on each), in rank order. Collective."
+    if not active():
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(D.get_world_size())]
+    D.all_gather(out, t, group=_group())
+    return [o.tolist() for o in out]
+
+
+def sharded(model) -> bool:
+    """Is `model` sharded across ranks: FSDP2's `fully_shard` made a module of it an `FSDPModule` (its
+    parameters are DTensors, except while a forward holds them whole), or a parameter is a DTensor? Neither
+    can exist before torch imports them: without them nothing is imported here."""
+    if model is None:
+        return False
+    fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+        return True
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
 
 
 def is_distributed_dl(dl) -> bool:

@@ -31,7 +31,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import between, checkpoint, dist, io, paths, remote, state
+from . import between, checkpoint, dist, io, paths, remote, sharded, state
 from ._hooks import imported
 from .compat import check_fastai_version
 from .fastai_classes import fastai_class, is_a
@@ -56,7 +56,7 @@ def _is_lr_find(cbs) -> bool:
 def _call_one(self: Learner, event_name):
     "fastai's `_call_one`; inside a resumable fit, through the session (so a save can complete the event)."
     if event_name in ("before_fit", "before_validate") and dist.active():
-        _patch_distributed_dl()
+        patch_distributed_dl()
     s = session_of(self)
     if s is None:
         return self._orig__call_one(event_name)
@@ -110,6 +110,8 @@ def save(self: Learner, file, with_iter=False, **kwargs):
     with_opt = kwargs.pop("with_opt", True)
     if with_iter and not with_opt:
         raise ValueError("save(with_iter=True) needs the optimizer state: drop with_opt=False")
+    if not with_iter and paths.is_path(file) and dist.sharded(self.model):  # fastai's would pickle rank 0's part
+        return sharded.save_model(self, file, with_opt)
     if not with_iter:
         if not paths.is_path(file):
             return self._orig_save(file, with_opt=with_opt, **kwargs)
@@ -131,7 +133,8 @@ def save(self: Learner, file, with_iter=False, **kwargs):
         sc.stage.saved_in(path.parent, path.name[: -len(io.EXT)])
     if rank_distrib() and not dist.active():
         return  # only rank 0 writes, as fastai does
-    checkpoint.commit(lambda: checkpoint.build_tree(self, with_opt, with_iter), path)  # under DDP: collective
+    build = lambda: checkpoint.build_tree(self, with_opt, with_iter)  # noqa: E731
+    sharded.commit_checkpoint(build, path, self.model)  # under DDP, and a sharded model: collective
     return path
 
 
@@ -147,7 +150,7 @@ def _found_checkpoint(learn, file):
         return None, False
     cands = paths.load_candidates(learn, file)
     path = cands[0] if cands else None
-    return path, path is not None and io.is_checkpoint(path)
+    return path, path is not None and (path.is_dir() or io.is_checkpoint(path))  # a folder: a sharded checkpoint
 
 
 def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict):
@@ -158,7 +161,7 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
         device = learn.dls.device
     if learn.opt is None:
         learn.create_opt()
-    tree = checkpoint.read(path)
+    tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
     checkpoint.load_tree(learn, path, tree, device, with_opt, strict)
     train = tree.get("train")
     if inside:
@@ -497,14 +500,16 @@ def _patch_schedule() -> None:
 
 
 def _broadcast_idxs(self, t, src):
-    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL."
+    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL (one process: as is)."
+    if not dist.active():
+        return list(t)
     dev = torch.device("cuda", torch.cuda.current_device()) if D.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor(t, dtype=torch.long, device=dev)
     D.broadcast(t, src)
     return t.cpu().tolist()
 
 
-def _patch_distributed_dl() -> None:
+def patch_distributed_dl() -> None:
     """At a fit's or validation's start under a process group: fastai's `DistributedDL` broadcasts each
     epoch's index list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU."""
     ddl = fastai_class("fastai.distributed", "DistributedDL")

@@ -18,7 +18,7 @@ import re
 import warnings
 from pathlib import Path
 
-from . import checkpoint, dist, io, loaders
+from . import checkpoint, dist, io, loaders, sharded
 from .io import CheckpointError
 
 __all__ = ["RunFolder", "run_identity"]
@@ -82,7 +82,7 @@ class RunFolder:
         counts it; any other error (EMFILE, ENOMEM, EACCES ...) is raised: the file may be fine."""
         for p in reversed(self.checkpoints()):
             try:
-                io.info(p, verify=True)
+                sharded.verify(p)  # a file, or a sharded checkpoint's folder: the manifest and every shard
                 return p
             except CheckpointError as e:
                 warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=3)
@@ -143,6 +143,9 @@ class RunFolder:
     def remove_dead_temps(self) -> None:
         "Temporary files of this run's saves whose process is gone (killed mid-save): never valid."
         checkpoint.remove_dead_temps(self.folder, lambda name: bool(self.pattern.match(name)))
+        sharded.remove_unfinished(
+            self.folder, lambda name: bool(self.pattern.match(name))
+        )  # folders without a manifest
 
     def remove_stale(self, folder: Path | None = None) -> list:
         """Removes this run's checkpoints in `folder` (default: its own) but the newest `keep`, and the
@@ -162,7 +165,7 @@ class RunFolder:
         failed = []
         for old in stale:
             try:
-                old.unlink()
+                sharded.remove(old)  # (a file, or a sharded checkpoint's folder)
             except OSError as e:
                 failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
         return failed
@@ -175,8 +178,8 @@ class RunFolder:
             if old == newest:
                 continue
             try:
-                size = old.stat().st_size
-                old.unlink()
+                size = sharded.size(old)
+                sharded.remove(old)
                 removed.append((old, size))
             except OSError:
                 pass

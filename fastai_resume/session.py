@@ -13,7 +13,7 @@ from pathlib import Path
 from fastai.callback.core import Callback
 from fastcore.foundation import L
 
-from . import _core, callbacks, check, dist, loaders, state, trainstate
+from . import _core, callbacks, check, dist, loaders, sharded, state, trainstate
 from .script import Interrupted
 from .stages import Stage
 
@@ -241,15 +241,6 @@ class ResumeSession(Callback):
 
 def _check_same_fit(learn, pos, n_epoch):
     "A resumed fit must be the fit that was saved, or the result silently changes."
-    ws_saved, ws = pos["world_size"], dist.world()
-    if ws_saved != ws:
-        raise ValueError(
-            f"this checkpoint was saved by a fit of {ws_saved} process(es) and this fit runs {ws}: each rank's "
-            f"position, RNG state and share of the data belong to {ws_saved}. Launch {ws_saved} processes to "
-            f"resume exactly; or pass start_epoch (and start_iter) to continue anyway from the checkpoint's "
-            f"model and optimizer, re-sharded for {ws} (not the uninterrupted run's result); or resume=False "
-            "to start over."
-        )
     diffs = []
     if pos["n_epoch"] != n_epoch:
         diffs.append(f"n_epoch {pos['n_epoch']} -> {n_epoch}")
@@ -288,6 +279,9 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
             return
     saved = a.train if a is not None else None
     pos = saved["position"] if saved else None
+    if saved is not None and not explicit and pos["world_size"] != dist.world():  # moved, counted in samples
+        saved = sharded.continue_at(learn, saved, a.path, n_epoch)
+        pos = saved["position"]
     target = _core.skip_plan(
         saved is not None,
         pos["epoch"] if saved else 0,

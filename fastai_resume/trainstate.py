@@ -82,8 +82,9 @@ def capture(s) -> dict | None:
         "recorder": state.recorder_state(rec) if rec is not None else None,
         "modules": state.module_states(learn.model),
     }
-    ranks = dist.gather(mine) if dist.active() else None  # collective: on every rank
-    if dist.rank() != 0:
+    per_rank = dist.sharded(learn.model)  # a sharded model: every rank writes its own file (`sharded`)
+    ranks = dist.gather(mine) if dist.active() and not per_rank else None  # collective: on every rank
+    if dist.rank() != 0 and not per_rank:
         return None  # rank 0 writes
     st = s.stage
     return {
@@ -115,9 +116,11 @@ def capture(s) -> dict | None:
 
 
 def _pending_grads(model):
-    "The parameters' gradients if any is non-zero (accumulation in progress), else None."
+    """The parameters' gradients if any is non-zero (accumulation in progress), else None. A sharded
+    gradient (a DTensor) is judged by this rank's part: its `any()` would be a collective, and each rank
+    saves its own."""
     grads = [p.grad for p in model.parameters()]
-    if not any(g is not None and bool(g.any()) for g in grads):
+    if not any(g is not None and bool((g.to_local() if hasattr(g, "to_local") else g).any()) for g in grads):
         return None
     return [None if g is None else g.detach() for g in grads]
 
@@ -531,12 +534,14 @@ def end_tree(learn, st) -> dict | None:
         if rec is None or not hasattr(rec, "values")
         else {**state.recorder_state(rec), **recorder_numbers(rec), "log": state.plain(list(getattr(rec, "log", [])))},
     }
-    ranks = dist.gather(mine) if dist.active() else None
-    if dist.rank() != 0:
+    per_rank = dist.sharded(learn.model)  # a sharded model: every rank writes its own part (`sharded`)
+    ranks = dist.gather(mine) if dist.active() and not per_rank else None
+    token = dist.all_gather_ints([secrets.randbits(62)])[0][0] if per_rank else secrets.randbits(62)
+    if dist.rank() != 0 and not per_rank:
         return None
     return {
         "stage": st.index,
-        "token": secrets.randbits(62),
+        "token": token,
         "signature": st.signature,
         **mine,
         "ranks": None if ranks is None else [None] + ranks[1:],

@@ -43,6 +43,34 @@ def wait_for_line(p, prefix) -> list:
     raise AssertionError("".join(seen))
 
 
+def descendants(pid) -> list:
+    "`pid` and every process below it (torchrun starts each rank in a session of its own: killpg misses them)."
+    kids: dict = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def kill_job(p) -> None:
+    "SIGKILL the launcher `p` (a Popen) and every process it started, the ranks included, at once; then reap it."
+    for q in descendants(p.pid):
+        try:
+            os.kill(q, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.communicate()
+
+
 def run(path, out, *args, expect_kill=False):
     p = FORKS.run(trainer_cmd(path, out, *args), env=ENV, timeout=600)
     if expect_kill:

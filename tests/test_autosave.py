@@ -1,6 +1,7 @@
 """AutoCheckpoint: SIGKILL at random moments (inside saves too) and autoresume until done ends
 bitwise equal to the uninterrupted run; SIGTERM saves and exits; retention; a full disk."""
 
+import errno
 import os
 import random
 import re
@@ -134,13 +135,13 @@ def test_background_saves_retire_old_checkpoints_in_their_writer_thread(tmp_path
         learn.fit(1, 1e-3)
     old = cb.checkpoints()
     assert len(old) == 2
-    old[0].unlink()
-    old[0].mkdir()  # a name of this run that unlink cannot remove (EISDIR)
     calls = []
     real_unlink = Path.unlink
 
     def unlink(self, *a, **k):
         calls.append((self.name, threading.current_thread().name))
+        if self == old[0]:  # a file of this run that cannot be removed
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
         return real_unlink(self, *a, **k)
 
     monkeypatch.setattr(Path, "unlink", unlink)
@@ -157,7 +158,7 @@ def test_background_saves_retire_old_checkpoints_in_their_writer_thread(tmp_path
     assert old[1].name in {n for n, _ in retired} and not old[1].exists()
     assert {t for _, t in retired} == {"fastai_resume-commit"}  # never the training thread
     kept = cb2.checkpoints()
-    assert kept[0] == old[0] and kept[0].is_dir() and len(kept) == 3  # the newest 2, and what could not go
+    assert kept[0] == old[0] and kept[0].is_file() and len(kept) == 3  # the newest 2, and what could not go
     assert [p.name for p in kept[1:]] == [p.name for p in cb2.saved[-2:]]
     blocked = [t for m, t in given if f"could not remove {old[0]}" in m]
     assert blocked and set(blocked) == {"MainThread"}  # one per commit, each given in the training thread

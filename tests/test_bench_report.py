@@ -25,7 +25,18 @@ def test_every_benchmark_make_bench_runs_writes_a_result_file_the_readme_shows()
     ran = set(re.findall(r"bench/(\w+)\.py", bench)) - {"report"}
     assert ran == set(report.RENDER)
     for name in ran:
-        assert f"<!-- bench:{name} -->" in readme()
+        if name in report.PAGES:  # a page of docs/ holds it, and the README links to that page
+            with open(report.PAGES[name]) as f:
+                assert f"<!-- bench:{name} -->" in f.read()
+            assert os.path.relpath(report.PAGES[name], ROOT) in readme()
+        else:
+            assert f"<!-- bench:{name} -->" in readme()
+
+
+def test_a_page_of_docs_with_a_benchmark_block_matches_its_file():
+    for name, page in report.PAGES.items():
+        with open(page) as f:
+            assert report.problems(f.read(), names=[name]) == []
 
 
 def test_a_figure_changed_by_hand_in_the_readme_is_reported():

@@ -121,7 +121,17 @@ def several_stages(cwd, out):
     assert (cwd / "history.csv").read_text().count("epoch,") >= 3
 
 
+def sharded_training(cwd, out):
+    "Each checkpoint a folder: a manifest and one file per rank, verified as a whole; the default keep=3 holds."
+    names = [n for n in _models(cwd) if n.startswith("auto-")]
+    assert len(names) == 3 and all((cwd / "models" / n / "manifest.frk").is_file() for n in names), names
+    for n in names:
+        assert len(list((cwd / "models" / n).iterdir())) == 3  # the manifest and 2 ranks' files
+        fr.sharded.verify(cwd / "models" / n)
+
+
 PROMISES = {
+    "Training": sharded_training,
     "Quick start": quick_start,
     "A script of several stages": several_stages,
     "Data-parallel training (DDP through `distrib_ctx`)": data_parallel,
