@@ -762,6 +762,11 @@ static PyObject *build(ReaderObject *ro, const frk_node *nodes, size_t *i, PyObj
         PyObject *d = PyDict_New();
         for (uint64_t k = 0; d && k < nd->count; k++) {
             PyObject *key = build(ro, nodes, i, make_tensor);
+            /* interned, as the literals a state dict's keys come from are: an object saved again
+               with pickle (a between-stage learn.save) then memoizes its repeated keys as it did
+               before */
+            if (key && PyUnicode_CheckExact(key))
+                PyUnicode_InternInPlace(&key);
             PyObject *v = key ? build(ro, nodes, i, make_tensor) : NULL;
             if (!v || PyDict_SetItem(d, key, v) < 0)
                 Py_CLEAR(d);
