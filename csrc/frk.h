@@ -265,6 +265,9 @@ int frk_skip_take_rng(frk_skip *s);
 void frk_skip_after_epoch(frk_skip *s, int64_t epoch);
 /* 1 while the resume has still something to do. */
 int frk_skip_pending(const frk_skip *s);
+/* After the last epoch: 1 (once) if the resume's target was the fit's very end, so that no epoch
+ * resumed and the saved state is due now; 0 otherwise. */
+int frk_skip_after_last_epoch(frk_skip *s);
 
 #ifdef __cplusplus
 }

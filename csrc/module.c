@@ -907,26 +907,20 @@ static PyObject *Skip_after_epoch(SkipObject *o, PyObject *v)
     Py_RETURN_NONE;
 }
 
-static PyObject *Skip_disarm(SkipObject *o, PyObject *Py_UNUSED(a))
+static PyObject *Skip_after_last_epoch(SkipObject *o, PyObject *Py_UNUSED(a))
 {
-    frk_skip_disarm(&o->s);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(frk_skip_after_last_epoch(&o->s));
 }
 
 static PyObject *Skip_get_pending(SkipObject *o, void *Py_UNUSED(c))
 {
     return PyBool_FromLong(frk_skip_pending(&o->s));
 }
-static PyObject *Skip_get_target(SkipObject *o, void *Py_UNUSED(c))
-{
-    return Py_BuildValue("LL", (long long)o->s.epoch, (long long)o->s.iter);
-}
 
 static PyMethodDef Skip_methods[] = {
     {"arm", (PyCFunction)Skip_arm, METH_VARARGS,
      "arm($self, epoch, iter, n_epoch, n_iter, /)\n--\n\n"
      "Resume at (epoch, iter) in a fit of n_epoch epochs of n_iter batches."},
-    {"disarm", (PyCFunction)Skip_disarm, METH_NOARGS, "disarm($self, /)\n--\n\nEvery epoch runs."},
     {"before_epoch", (PyCFunction)Skip_before_epoch, METH_O,
      "before_epoch($self, epoch, /)\n--\n\n"
      "At the start of each epoch: (action, rng_action, first_iter), with action one of\n"
@@ -937,11 +931,13 @@ static PyMethodDef Skip_methods[] = {
      "True exactly once, when the saved mid-epoch RNG state is due."},
     {"after_epoch", (PyCFunction)Skip_after_epoch, METH_O,
      "after_epoch($self, epoch, /)\n--\n\nAt the end of each epoch that ran."},
+    {"after_last_epoch", (PyCFunction)Skip_after_last_epoch, METH_NOARGS,
+     "after_last_epoch($self, /)\n--\n\n"
+     "True once, after the last epoch, if the resume's target was the fit's very end."},
     {NULL},
 };
 static PyGetSetDef Skip_getset[] = {
     {"pending", (getter)Skip_get_pending, NULL, "the resume still has work to do", NULL},
-    {"target", (getter)Skip_get_target, NULL, "(epoch, iter)", NULL},
     {NULL},
 };
 static PyType_Slot Skip_slots[] = {

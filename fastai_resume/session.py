@@ -211,8 +211,10 @@ class ResumeSession(Callback):
     def end_of_epochs(self):
         """Called by `Learner._do_fit` after the last epoch: a fit resumed at its very end (no epoch left to
         resume in) gets the state it was saved with now: RNG, loaders, schedule position."""
-        if self.skip.pending and self.skip.take_rng() and self.saved is not None:
+        if self.skip.after_last_epoch() and self.saved is not None:
             trainstate.restore_epoch(self.learn, self.saved, True, 0)
+        elif self.skip.pending:
+            self._restore_saved_rng()
 
     def position(self):
         "Where training is now, as `(epoch, iter)` with iter = training batches done, or None."

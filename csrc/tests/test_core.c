@@ -2566,6 +2566,20 @@ static void test_skip_arm_errors(void)
     CHECK(frk_skip_arm(&s, 0, 0, 1, 0, &err) == FRK_OK);
 }
 
+static void test_skip_at_the_fits_very_end(void)
+{
+    frk_skip s;
+    frk_error err;
+    CHECK(frk_skip_arm(&s, 3, 0, 3, 10, &err) == FRK_OK);
+    for (int64_t e = 0; e < 3; e++)
+        CHECK(frk_skip_before_epoch(&s, e).action == FRK_SKIP_SKIP);
+    CHECK(frk_skip_take_rng(&s) == 0);         /* no epoch resumed: no mid-epoch RNG */
+    CHECK(frk_skip_after_last_epoch(&s) == 1); /* the saved state is due now, once */
+    CHECK(frk_skip_after_last_epoch(&s) == 0 && !frk_skip_pending(&s));
+    CHECK(frk_skip_arm(&s, 2, 0, 3, 10, &err) == FRK_OK); /* a target inside the fit: never */
+    CHECK(frk_skip_after_last_epoch(&s) == 0 && frk_skip_pending(&s));
+}
+
 static void test_skip_mid_epoch(void)
 {
     frk_skip s;
@@ -3006,6 +3020,7 @@ int main(int argc, char **argv)
     run_test("hostile_preamble_footer", test_hostile_preamble_footer);
     run_test("skip_plan_overrides", test_skip_plan);
     run_test("skip_arm_validation", test_skip_arm_errors);
+    run_test("skip_at_the_fits_very_end", test_skip_at_the_fits_very_end);
     run_test("skip_resume_mid_epoch", test_skip_mid_epoch);
     run_test("skip_resume_at_epoch_start", test_skip_epoch_start);
     run_test("skip_resume_at_end_of_epoch", test_skip_end_of_epoch);
