@@ -28,8 +28,7 @@ __all__ = [
     "mark_csv_start",
     "callback_states",
     "set_callback_states",
-    "between_stage_states",
-    "set_between_stage_states",
+    "BETWEEN_STAGES",
 ]
 
 _TRACKER_FIELDS = {"best": (float, int), "wait": (int,), "new_best": (bool,)}
@@ -108,12 +107,14 @@ def _continue_csv(cb, st) -> None:
     cb.file.seek(0, 2)
 
 
+_TRACKER = (
+    lambda cb: is_a(cb, "fastai.callback.tracker", "TrackerCallback"),
+    _tracker,
+    lambda cb, st: _typed(cb, st, _TRACKER_FIELDS),
+)
+
 HANDLERS: list = [
-    (
-        lambda cb: is_a(cb, "fastai.callback.tracker", "TrackerCallback"),
-        _tracker,
-        lambda cb, st: _typed(cb, st, _TRACKER_FIELDS),
-    ),
+    _TRACKER,
     (
         lambda cb: is_a(cb, "fastai.callback.training", "GradientAccumulation"),
         lambda cb: {"count": getattr(cb, "count", 0)},
@@ -127,10 +128,14 @@ HANDLERS: list = [
     ),
     (lambda cb: is_a(cb, "fastai.callback.progress", "CSVLogger"), _csv, _continue_csv),
 ]
+# What callbacks keep from one fit to the next, as a stage ends: fastai's trackers' best value and patience
+# (fastai's other callbacks start every fit anew: the scheduler, the grad scaler, the accumulation count;
+# the loggers' files are closed), beside a user's callback's `resume_state`.
+BETWEEN_STAGES: list = [_TRACKER]
 
 
-def _handler(cb):
-    return next((h for h in (*trackers.HANDLERS, *HANDLERS) if h[0](cb)), None)  # (the trackers' tests clear theirs)
+def _handler(cb, handlers):
+    return next((h for h in handlers if h[0](cb)), None)
 
 
 def mark_csv_start(learn) -> None:
@@ -142,18 +147,24 @@ def mark_csv_start(learn) -> None:
             cb.resume_file_start = cb.file.tell() - len(header)
 
 
-def callback_states(learn) -> dict:
-    "State of the callbacks that change the result: the user's `resume_state`, else their handler's."
+def callback_states(learn, between_stages: bool = False) -> dict:
+    """State of the callbacks that change the result: the user's `resume_state`, else their handler's
+    (`between_stages`: what they keep from one fit to the next only, `BETWEEN_STAGES`)."""
+    handlers = BETWEEN_STAGES if between_stages else (*trackers.HANDLERS, *HANDLERS)  # (tests clear the trackers')
     out = {}
     for cb in learn.cbs:
-        h = None if hasattr(cb, "resume_state") else _handler(cb)
-        st: Any = cb.resume_state() if hasattr(cb, "resume_state") else h[1](cb) if h else None
+        if hasattr(cb, "resume_state"):
+            st: Any = cb.resume_state()
+        else:
+            h = _handler(cb, handlers)
+            st = h[1](cb) if h else None
         if st is not None:
             out[cb_key(learn.cbs, cb)] = plain(st)
     return out
 
 
-def set_callback_states(learn, states: dict) -> None:
+def set_callback_states(learn, states: dict, between_stages: bool = False) -> None:
+    handlers = BETWEEN_STAGES if between_stages else (*trackers.HANDLERS, *HANDLERS)
     for cb in learn.cbs:
         key = cb_key(learn.cbs, cb)
         st = states.get(key)
@@ -164,7 +175,7 @@ def set_callback_states(learn, states: dict) -> None:
             continue
         if not isinstance(st, dict):
             raise CheckpointError(f"callback state {key}: {type(st).__name__}, expected a dict")
-        h = _handler(cb)
+        h = _handler(cb, handlers)
         if h is None:
             continue
         try:
@@ -173,34 +184,3 @@ def set_callback_states(learn, states: dict) -> None:
             raise
         except (TypeError, KeyError, ValueError, AttributeError, IndexError, RuntimeError) as e:
             raise CheckpointError(f"callback state {key} is malformed: {e!r}") from None
-
-
-def between_stage_states(learn) -> dict:
-    """What callbacks keep from one fit to the next, as a stage ends: a user's callback's `resume_state`
-    and fastai's trackers' best value and patience. (fastai's other callbacks start every fit anew: the
-    scheduler, the grad scaler, the accumulation count; the loggers' files are closed.)"""
-    out = {}
-    for cb in learn.cbs:
-        if hasattr(cb, "resume_state"):
-            st = cb.resume_state()
-        elif is_a(cb, "fastai.callback.tracker", "TrackerCallback"):
-            st = _tracker(cb)
-        else:
-            continue
-        if st is not None:
-            out[cb_key(learn.cbs, cb)] = plain(st)
-    return out
-
-
-def set_between_stage_states(learn, states: dict) -> None:
-    for cb in learn.cbs:
-        key = cb_key(learn.cbs, cb)
-        st = states.get(key)
-        if st is None:
-            continue
-        if hasattr(cb, "load_resume_state"):
-            cb.load_resume_state(st)
-        elif is_a(cb, "fastai.callback.tracker", "TrackerCallback"):
-            if not isinstance(st, dict):
-                raise CheckpointError(f"callback state {key}: {type(st).__name__}, expected a dict")
-            _typed(cb, st, _TRACKER_FIELDS)

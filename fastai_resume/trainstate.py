@@ -545,7 +545,7 @@ def end_tree(learn, st) -> dict | None:
         "signature": st.signature,
         **mine,
         "ranks": None if ranks is None else [None] + ranks[1:],
-        "callbacks": callbacks.between_stage_states(learn),
+        "callbacks": callbacks.callback_states(learn, between_stages=True),
         "grad_set": [p.grad is not None for p in learn.model.parameters()],
         "training": bool(learn.model.training),
         "learner": _learner_counters(learn),
@@ -601,7 +601,7 @@ def restore_end(learn, end: dict) -> None:
         state.set_recorder_state(learn, rec)
         set_recorder_numbers(learn, rec)
         learn.recorder.log = L(rec.get("log") or [])
-    callbacks.set_between_stage_states(learn, end["callbacks"])
+    callbacks.set_callback_states(learn, end["callbacks"], between_stages=True)
     state.set_grads(learn.model, end["grad_set"], None)
     learn.model.train(bool(end.get("training", False)))
     for k, v in end["learner"].items():

@@ -36,6 +36,8 @@ import pandas as pd
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from results import learner_result  # noqa: E402
+
 import fastai_resume  # noqa: E402
 import fastai_resume.script  # noqa: E402
 from fastai_resume.between import file_crc  # noqa: E402
@@ -170,7 +172,7 @@ def text(a, st, out):
     values("lm-1", learn.recorder.values[-1])
     values("lm-valid", learn.validate())
     learn.save_encoder("finetuned")
-    out["lm"] = result(learn)
+    out["lm"] = learner_result(learn)
     st.done(learn)
 
     dls = TextDataLoaders.from_df(
@@ -189,7 +191,7 @@ def text(a, st, out):
     learn.unfreeze()
     learn.fit_one_cycle(2, slice(1e-3 / (2.6**4), 1e-3))
     values("clas-2", learn.recorder.values[-1])
-    out["clas"] = result(learn)
+    out["clas"] = learner_result(learn)
     st.done(learn)
 
 
@@ -222,7 +224,7 @@ def vision(a, st, out, seg=False):
     learn = st.start(learn, "crash")
     learn.fine_tune(1 if seg else 2)
     values("valid", learn.validate())
-    out["model"] = result(learn)
+    out["model"] = learner_result(learn)
 
 
 def tabular(a, st, out):
@@ -249,7 +251,7 @@ def tabular(a, st, out):
     learn = st.start(learn, "crash")
     learn.fit_one_cycle(3)
     values("valid", learn.validate())
-    out["model"] = result(learn)
+    out["model"] = learner_result(learn)
 
 
 def collab(a, st, out):
@@ -266,18 +268,7 @@ def collab(a, st, out):
     learn = st.start(learn, "crash")
     learn.fit_one_cycle(4, 5e-3, wd=0.1)
     values("valid", learn.validate())
-    out["model"] = result(learn)
-
-
-def result(learn):
-    rec = learn.recorder
-    return {
-        "model": {k: v.clone() for k, v in learn.model.state_dict().items()},
-        "opt": fastai_resume.state.plain(learn.opt.state_dict()),
-        "losses": [float(x) for x in rec.losses],
-        "lrs": [float(x) for x in rec.lrs],
-        "values": [[float(v) for v in row] for row in rec.values],
-    }
+    out["model"] = learner_result(learn)
 
 
 def main(argv=None):

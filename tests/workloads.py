@@ -43,6 +43,7 @@ from fastai.losses import CrossEntropyLossFlat  # noqa: E402
 from fastai.metrics import accuracy  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 from fasttransform import Transform  # noqa: E402
+from results import learner_result  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import fastai_resume  # noqa: E402
@@ -350,17 +351,12 @@ def five_stages(learn, a, fit_cbs):
 
 
 def result(learn):
-    rec = learn.recorder
     rng = {"python": random.random(), "numpy": float(np.random.rand()), "torch": torch.rand(3)}
     csv = os.path.join(learn.path, "history.csv")
     text = open(csv).read() if os.path.exists(csv) else ""
     rows = [",".join(line.split(",")[:-1]) for line in text.splitlines()]  # without the time column
     return {
-        "model": {k: v.clone() for k, v in learn.model.state_dict().items()},
-        "opt": fastai_resume.state.plain(learn.opt.state_dict()),
-        "losses": [float(x) for x in rec.losses],
-        "lrs": [float(x) for x in rec.lrs],
-        "values": [[float(v) for v in row] for row in rec.values],
+        **learner_result(learn),
         "rng": rng,
         "csv": "\n".join(rows),
         "printed": list(PRINTED),
