@@ -23,6 +23,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -175,9 +176,19 @@ def _page_storage(n: int, huge_pages: bool = True):
     m = mmap.mmap(-1, n + _HUGE if huge else n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = -torch.frombuffer(m, dtype=torch.uint8).data_ptr() % _HUGE if huge else 0
     _advise(m, "MADV_DONTFORK")
+    _NOT_FORKED.add(m)
     if huge:
         _advise(m, "MADV_HUGEPAGE", skip, n + _HUGE - skip)
     return torch.frombuffer(m, dtype=torch.uint8, offset=skip, count=n).untyped_storage()
+
+
+# The mappings a forked child does not have (MADV_DONTFORK). Their Python objects are in the child all the
+# same; freeing one there (a garbage cycle the child's GC collects) would munmap whatever the child has
+# mapped since at those addresses: a DataLoader worker's batch, and a segmentation fault. So a child keeps
+# them all, never freed.
+_NOT_FORKED: weakref.WeakSet = weakref.WeakSet()
+_KEPT_IN_CHILD: list = []
+os.register_at_fork(after_in_child=lambda: _KEPT_IN_CHILD.extend(_NOT_FORKED))
 
 
 def _advise(m: mmap.mmap, name: str, *where: int) -> None:
