@@ -333,10 +333,10 @@ def render(res) -> str:
             f"| {r['python']} | {r['fastai']} | {r['fastcore']} | {r['torch']} | {r['torchvision']} | {r['numpy']} "
             f"| {r['stack']} | {copy} | {tests} |"
         )
-    wheels = ", ".join(f"`{r['wheel']}`" for r in res["rows"] if r["stack"] == res["rows"][0]["stack"])
+    wheel = re.sub(r"-cp\d+-cp\d+-", "-cpXY-cpXY-", res["rows"][0]["wheel"])
     out += [
         "",
-        f"Each row: its wheel ({wheels}) installed by pip into a clean venv, then "
+        f"Each row: the wheel of its Python (`{wheel}`) installed by pip into a clean venv, then "
         + ", ".join(f"`{t}`" for t in res["tests"])
         + f" (`-m '{res['select']}'`), run from a copy of the checkout without the package"
         + f" ({res['platform']}, `{res['command']}`, `.ci/matrix.json`).",
