@@ -376,7 +376,7 @@ def main():
         print("\n".join(bad) or "README.md's matrix is .ci/matrix.json's", file=sys.stderr if bad else sys.stdout)
         sys.exit(1 if bad else 0)
 
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), round(os.getloadavg()[0], 1)
     every = [(py, st) for py in pythons() for st in STACKS]
     rows = [tuple(r.split(":")) for r in a.rows] if a.rows else every
     prune_cache()
@@ -391,6 +391,7 @@ def main():
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "platform": f"{platform.system().lower()} {platform.machine()}",
         "cores": os.cpu_count(),
+        "loadavg": {"start": load0, "end": round(os.getloadavg()[0], 1)},  # a machine shared with other work
         "sdist": os.path.basename(sdist),
         "tests": TESTS,
         "select": SELECT,
