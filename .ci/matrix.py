@@ -14,12 +14,13 @@ core is plain C: they do not depend on the Python).
 
 The Pythons are pyproject.toml's classifiers, found under pyenv (or on PATH as pythonX.Y).
 
-Downloads and installs happen once per machine: pip's cache is shared by every venv, and a row's
-dependencies are installed once into an environment under ~/.cache/fastai-resume/matrix/ (named by
-a hash of the Python, the pins and the wheel's requirements, never changed once complete; one
-unused for 14 days is removed), from which each run makes the row's clean venv as a hard-linked copy
-(under a second, no disk) before pip installs the wheel into it. Identical libraries of those
-environments (the CUDA libraries of the same torch under two Pythons) are hard-linked too.
+Downloads and installs happen once per machine (pip's cache, shared by every venv, stays empty
+behind a package proxy that sends no caching headers, as this machine's does): a row's dependencies
+are installed once into an environment under ~/.cache/fastai-resume/matrix/ (named by a hash of the
+Python, the pins and the wheel's requirements, never changed once complete; one unused for 14 days
+is removed), from which each run makes the row's clean venv as a hard-linked copy (under a second,
+no disk) before pip installs the wheel into it. Identical libraries of those environments (the CUDA
+libraries of the same torch under two Pythons) are hard-linked too.
 
     python3 .ci/matrix.py                       # all rows; writes .ci/matrix.json
     python3 .ci/matrix.py --rows 3.12:newest    # some rows; writes build/matrix/matrix.json
