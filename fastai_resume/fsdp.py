@@ -46,10 +46,10 @@ class ShardedTrainer(Callback):
     def _wrap(self, dl):
         from fastai.distributed import DistributedDL
 
+        patches.patch_distributed_dl()  # (fastai.distributed is imported now: the patch finds its class)
         return dl if isinstance(dl, DistributedDL) else DistributedDL(dl, device=self.device)
 
     def before_fit(self):
-        patches.patch_distributed_dl()
         self.old_dls = list(self.dls.loaders)
         self.learn.dls.loaders = [self._wrap(dl) for dl in self.dls.loaders]
         if dist.rank():
@@ -59,7 +59,6 @@ class ShardedTrainer(Callback):
         self.learn.dl = self._wrap(self.learn.dl)
 
     def before_validate(self):
-        patches.patch_distributed_dl()
         self.learn.dl = self._wrap(self.learn.dl)
 
     def after_fit(self):

@@ -310,7 +310,7 @@ def test_a_corrupted_remote_object_is_set_aside_and_the_previous_one_resumes(
     for k, v in s3.env().items():
         monkeypatch.setenv(k, v)  # as a user's shell sets them
     learn.load(url + older)
-    armed = fr.session.script(learn).armed
+    armed = fr.script.script(learn).armed
     assert armed is not None and armed.path == m3 / "models" / older
     pos = armed.train["position"]
     assert (pos["epoch"], pos["iter"]) == position(older)
