@@ -269,45 +269,43 @@ def _alive(pid) -> bool:
     return True
 
 
-class Mirror:
-    """The remote copy of one run's checkpoints (`AutoCheckpoint(remote=...)`): see the module's doc.
+class _Lost(Exception):
+    "Another process holds the run's lease: this mirror stops."
 
-    `open()` (at the run's start) takes the run's lease on the remote and fails at once, with a message
-    that says why, where the remote refuses the credentials, lacks the bucket or cannot be reached.
-    `resume_point(local)` is the checkpoint to resume from (downloading a newer one the remote has);
-    `committed(path)` hands a new local checkpoint to the upload thread."""
 
-    def __init__(self, url, options, folder: Path, fname: str, run_id: str, keep: int, wait: float):
+class Notices:
+    "What the background threads have to say, kept to be said in the training thread (`Uploader.say_due`)."
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: list = []
+
+    def post(self, msg: str) -> None:
+        with self.lock:
+            self.pending.append(msg)
+
+    def take(self) -> list:
+        with self.lock:
+            out, self.pending = self.pending, []
+        return out
+
+
+class RemoteRun:
+    """One run's folder on the remote, as read: its objects (a fresh listing), the run's checkpoints complete
+    there and their markers, and the resume: the newest one downloaded into the local `folder`, verified."""
+
+    def __init__(self, url, options, folder: Path, fname: str, run_id: str):
         self.url = url if url.endswith("/") else url + "/"
         self.fs, self.root = filesystem(url, options)
-        self.folder, self.keep, self.wait = Path(folder), keep, wait
+        self.folder = Path(folder)
         self.prefix = f"{fname}-{run_id}-"
         self.pattern = re.compile(
             re.escape(self.prefix) + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}" + re.escape(io.EXT) + "$"
         )
-        self.lock_name = f".{fname}-{run_id}.lock"
-        self.token = secrets.token_hex(8)
-        self.cond = threading.Condition()
-        self.want: Path | None = None  # the newest local checkpoint, to mirror
-        self.newest: str | None = None  # the newest checkpoint complete on the remote
-        self.commits = 0  # local checkpoints handed over by this process
-        self.mirrored_commits = 0  # ... of which the newest mirrored was the n-th
-        self.behind_since: float | None = None  # since when an upload has been failing
-        self.started: tuple | None = None  # (when, name, commits then) of the upload in progress
-        self.error: BaseException | None = None
-        self.lost: str | None = None  # another process took the lease: this one mirrors no more
-        self.closing = False
-        self.deadline: float | None = None  # set at the end: how long the last upload may still take
-        self.messages: list = []
-        self.last_said = 0.0
-        self.beat = 0
-        self.threads: list = []
-        self.ends: dict = {}  # (file, token) -> {"file", "key", "size", "crc32c"} uploaded
 
     def key(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    # -- listing and markers
     def listing(self) -> dict:
         "name -> size of every object in the remote folder (fresh: no listing cache)."
         with contextlib.suppress(Exception):
@@ -326,155 +324,11 @@ class Mirror:
     def manifest(self, name: str) -> dict:
         return _manifest(self.fs.cat_file(self.key(name + MARKER)), name, self.url + name + MARKER)
 
-    # -- the lease
-    def _read_lock(self):
-        try:
-            raw = self.fs.cat_file(self.key(self.lock_name))
-        except FileNotFoundError:
-            return None
-        try:
-            held = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return {"token": None, "raw": raw}
-        return held if isinstance(held, dict) else {"token": None, "raw": raw}
-
-    def _write_lock(self):
-        self.beat += 1
-        body = {
-            "token": self.token,
-            "pid": os.getpid(),
-            "machine": _machine(),
-            "beat": self.beat,
-            "renew_seconds": RENEW,
-        }
-        self.fs.pipe_file(self.key(self.lock_name), json.dumps(body).encode())
-
-    def _holder(self, held) -> str:
-        return f"process {held.get('pid')} on {str(held.get('machine', '?')).split(' ')[0]}"
-
-    def _take_lock(self):
-        held = self._read_lock()
-        if held is not None and held.get("token") != self.token:
-            if held.get("machine") == _machine():
-                if _alive(held.get("pid")):
-                    raise RuntimeError(
-                        f"AutoCheckpoint: {self._holder(held)} is already mirroring this run to {self.url} (lock "
-                        f"{self.lock_name}); two processes writing one run's checkpoints would delete each other's "
-                        "files. Stop the other one, or give this one another fname or remote."
-                    )
-            else:
-                renew = held.get("renew_seconds")
-                renew = float(renew) if isinstance(renew, (int, float)) and 0 < renew <= 3600 else RENEW
-                limit = 4 * renew
-                print(
-                    f"AutoCheckpoint: {self.url} is held by {self._holder(held)} (lock {self.lock_name}); waiting up "
-                    f"to {limit:.0f} s to see whether it still renews it (a lost machine does not)",
-                    flush=True,
-                )
-                t0 = time.monotonic()
-                while time.monotonic() - t0 < limit:
-                    time.sleep(min(1.0, renew / 4))
-                    now = self._read_lock()
-                    if now != held:
-                        raise RuntimeError(
-                            f"AutoCheckpoint: {self._holder(now or held)} is mirroring this run to {self.url} (it "
-                            f"renewed the lock {self.lock_name} just now); two machines writing one run's checkpoints "
-                            "would delete each other's files. Stop the other one, or give this one another remote."
-                        )
-                print(f"AutoCheckpoint: {self._holder(held)} has not renewed its lock for {limit:.0f} s: taken over")
-        self._write_lock()
-        time.sleep(1.0)  # two machines taking a free lease at once: the one written last wins, the other sees it
-        now = self._read_lock()
-        if now is None or now.get("token") != self.token:
-            raise RuntimeError(
-                f"AutoCheckpoint: {self._holder(now or {})} took the lock {self.lock_name} of {self.url} at the same "
-                "time as this process; two machines writing one run's checkpoints would delete each other's files."
-            )
-
-    def _fence(self):
-        "Raises `_Lost` (and this mirror stops) if another process holds the lease now."
-        held = self._read_lock()
-        if held is None:  # removed (by hand): nobody else holds it
-            return self._write_lock()
-        if held.get("token") != self.token:
-            who = self._holder(held)
-            self.lost = (
-                f"AutoCheckpoint: the lock {self.lock_name} of {self.url} is held by {who} now (this process did not "
-                "renew it in time: the remote was unreachable): this process no longer mirrors the run (its local "
-                "checkpoints go on), so as not to delete the other one's files"
-            )
-            raise _Lost(self.lost)
-
-    # -- start
-    def open(self):
-        """Takes the run's lease and removes what killed uploads left; fails now, saying why, where the
-        remote cannot be used (the credentials, the bucket, the network), rather than hours later."""
-        tries = (2.0, 4.0, 8.0)
-        for i in range(len(tries) + 1):
-            try:
-                if _is_local(self.fs):
-                    self.fs.makedirs(self.root, exist_ok=True)
-                self.listing()
-                self._take_lock()
-                break
-            except RuntimeError:
-                raise  # the lease: held by another process
-            except Exception as e:
-                if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
-                    raise RemoteError(
-                        None,
-                        f"AutoCheckpoint: the remote {self.url} refused the credentials ({_reason(e)}); check them "
-                        "(for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
-                        "remote_options=dict(key=..., secret=...)). Training has not started.",
-                    ) from None
-                if isinstance(e, FileNotFoundError):
-                    raise RemoteError(
-                        None,
-                        f"AutoCheckpoint: the remote {self.url} does not exist ({_reason(e)}): create the bucket "
-                        "(or folder) first. Training has not started.",
-                    ) from None
-                if i == len(tries):
-                    raise RemoteError(
-                        None,
-                        f"AutoCheckpoint: cannot reach the remote {self.url} ({_reason(e)}), tried {i + 1} times. "
-                        "Training has not started: without the remote, this machine cannot know whether it holds a "
-                        "newer checkpoint of this run.",
-                    ) from None
-                time.sleep(tries[i])
-        self._clean()
-        self._retain()  # a process killed between a marker and the retention after it
-        done = self.complete()
-        self.newest = done[-1] if done else None
-        for target in (self._upload_loop, self._renew_loop):
-            t = threading.Thread(target=target, name="fastai_resume-remote", daemon=True)
-            t.start()
-            self.threads.append(t)
-        atexit.register(self.close)
-
-    def _clean(self):
-        "Data of killed uploads (no marker) and stage-end files no marker names: never a checkpoint."
-        ls = self.listing()
-        named = set()
-        for n in self.complete(ls):
-            with contextlib.suppress(Exception):
-                for e in self.manifest(n)["ends"]:
-                    named.add(e["key"])
-                    m = _END_KEY.match(e["key"])
-                    if m and m["file"] == e["file"]:  # uploaded already: not again (`_mirror_end`)
-                        self.ends[(e["file"], int(m["token"], 16))] = e
-        for n in ls:
-            orphan = self.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls
-            m = _END_KEY.match(n)
-            if orphan or (m and n.startswith(self.prefix) and n not in named):
-                with contextlib.suppress(Exception):
-                    self.fs.rm_file(self.key(n))
-
     def names(self) -> list:
         "This run's checkpoint names on the remote (complete or set aside as corrupt): for attempt numbering."
         ls = self.listing()
         return sorted(n for n in ls if self.pattern.match(n) and (n + MARKER in ls or n + CORRUPT in ls))
 
-    # -- resume
     def resume_point(self, local: Path | None) -> Path | None:
         """The checkpoint to resume from: `local` (the newest valid local one), or a newer one complete on
         the remote, downloaded into the local folder with the stage-end files it names and verified. A
@@ -486,7 +340,7 @@ class Mirror:
                 return self.fetch(name)
             except (CheckpointError, FileNotFoundError) as e:  # (a marker whose data is gone)
                 _say(f"AutoCheckpoint: skipping {self.url}{name}: {_reason(e)}")
-                self._set_aside(name)
+                self.set_aside(name)
             except OSError as e:  # this machine's disk (full, read-only): not the remote's fault, and not this run's
                 raise RemoteError(e.errno, f"AutoCheckpoint: could not download {self.url}{name}: {_reason(e)}") from e
             except Exception as e:  # the network: the remote's copy may be fine
@@ -516,14 +370,261 @@ class Mirror:
         )
         return dest
 
-    def _set_aside(self, name):
+    def set_aside(self, name):
         with contextlib.suppress(Exception):
             self.fs.pipe_file(self.key(name + CORRUPT), self.fs.cat_file(self.key(name + MARKER)))
             self.fs.rm_file(self.key(name + MARKER))
 
-    # -- uploads
+
+class Lease:
+    """The run's lease on the remote (`.<fname>-<run>.lock`): taken at the start (`take`), renewed every
+    `RENEW` seconds by a thread, checked (`fence`) before each write that removes or replaces a checkpoint's
+    object, released at the end. `lost`: what to say once another process took it (this one mirrors no more)."""
+
+    def __init__(self, run: RemoteRun, fname: str, run_id: str, notices: Notices):
+        self.fs, self.url = run.fs, run.url
+        self.lock_name = f".{fname}-{run_id}.lock"
+        self.path = run.key(self.lock_name)
+        self.token = secrets.token_hex(8)
+        self.notices = notices
+        self.beat = 0
+        self.lost: str | None = None
+        self.ended = threading.Event()  # the process's end, or the lease lost: no more renewals
+        self.thread = threading.Thread(target=self._renew_loop, name="fastai_resume-remote", daemon=True)
+
+    def read(self):
+        try:
+            raw = self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            return None
+        try:
+            held = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return {"token": None, "raw": raw}
+        return held if isinstance(held, dict) else {"token": None, "raw": raw}
+
+    def write(self):
+        self.beat += 1
+        body = {
+            "token": self.token,
+            "pid": os.getpid(),
+            "machine": _machine(),
+            "beat": self.beat,
+            "renew_seconds": RENEW,
+        }
+        self.fs.pipe_file(self.path, json.dumps(body).encode())
+
+    def _holder(self, held) -> str:
+        return f"process {held.get('pid')} on {str(held.get('machine', '?')).split(' ')[0]}"
+
+    def take(self):
+        held = self.read()
+        if held is not None and held.get("token") != self.token:
+            if held.get("machine") == _machine():
+                if _alive(held.get("pid")):
+                    raise RuntimeError(
+                        f"AutoCheckpoint: {self._holder(held)} is already mirroring this run to {self.url} (lock "
+                        f"{self.lock_name}); two processes writing one run's checkpoints would delete each other's "
+                        "files. Stop the other one, or give this one another fname or remote."
+                    )
+            else:
+                renew = held.get("renew_seconds")
+                renew = float(renew) if isinstance(renew, (int, float)) and 0 < renew <= 3600 else RENEW
+                limit = 4 * renew
+                print(
+                    f"AutoCheckpoint: {self.url} is held by {self._holder(held)} (lock {self.lock_name}); waiting up "
+                    f"to {limit:.0f} s to see whether it still renews it (a lost machine does not)",
+                    flush=True,
+                )
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < limit:
+                    time.sleep(min(1.0, renew / 4))
+                    now = self.read()
+                    if now != held:
+                        raise RuntimeError(
+                            f"AutoCheckpoint: {self._holder(now or held)} is mirroring this run to {self.url} (it "
+                            f"renewed the lock {self.lock_name} just now); two machines writing one run's checkpoints "
+                            "would delete each other's files. Stop the other one, or give this one another remote."
+                        )
+                print(f"AutoCheckpoint: {self._holder(held)} has not renewed its lock for {limit:.0f} s: taken over")
+        self.write()
+        time.sleep(1.0)  # two machines taking a free lease at once: the one written last wins, the other sees it
+        now = self.read()
+        if now is None or now.get("token") != self.token:
+            raise RuntimeError(
+                f"AutoCheckpoint: {self._holder(now or {})} took the lock {self.lock_name} of {self.url} at the same "
+                "time as this process; two machines writing one run's checkpoints would delete each other's files."
+            )
+
+    def fence(self):
+        "Raises `_Lost` (and this mirror stops) if another process holds the lease now."
+        held = self.read()
+        if held is None:  # removed (by hand): nobody else holds it
+            return self.write()
+        if held.get("token") != self.token:
+            who = self._holder(held)
+            self.lost = (
+                f"AutoCheckpoint: the lock {self.lock_name} of {self.url} is held by {who} now (this process did not "
+                "renew it in time: the remote was unreachable): this process no longer mirrors the run (its local "
+                "checkpoints go on), so as not to delete the other one's files"
+            )
+            self.ended.set()
+            raise _Lost(self.lost)
+
+    def _renew_loop(self):
+        while not self.ended.wait(RENEW):
+            try:
+                self.fence()
+                self.write()
+            except _Lost as e:
+                self.notices.post(str(e))
+                return
+            except Exception:
+                pass  # unreachable: the upload thread says so; the lease lapses if it stays so
+
+    def stop(self) -> None:
+        "The process's end: no more renewals."
+        self.ended.set()
+
+    def release(self) -> None:
+        "Removes the lock if this process still holds it."
+        if self.lost is None:
+            with contextlib.suppress(Exception):
+                held = self.read()
+                if held is not None and held.get("token") == self.token:
+                    self.fs.rm_file(self.path)
+
+
+class Publisher:
+    """What a checkpoint is on the remote: its bytes and the stage-end files it names, checked against what
+    was sent, then its marker; the newest `keep` kept there, and what killed uploads left removed. A write
+    that removes or replaces a checkpoint's object is fenced by the run's lease."""
+
+    def __init__(self, run: RemoteRun, lease: Lease, notices: Notices, keep: int):
+        self.run, self.lease, self.notices, self.keep = run, lease, notices, keep
+        self.fs, self.url = run.fs, run.url
+        self.ends: dict = {}  # (file, token) -> {"file", "key", "size", "crc32c"} uploaded
+
+    def publish(self, path: Path) -> None:
+        "Uploads `path` and the stage-end files it names, checks them, writes its marker, applies `keep`."
+        name, key = path.name, self.run.key
+        with open(path, "rb") as f:  # held open: retention may unlink the file meanwhile
+            size = os.fstat(f.fileno()).st_size
+            ls = self.run.listing()
+            if name + MARKER in ls:
+                try:
+                    old = self.run.manifest(name)
+                except CheckpointError:
+                    old = None
+                if old is not None and (old["size"], old["crc32c"]) == local_crc(f"/proc/self/fd/{f.fileno()}"):
+                    return  # already there (a rerun that resumed from it)
+                self.lease.fence()
+                self.fs.rm_file(key(name + MARKER))  # its bytes are about to change: no marker meanwhile
+            ends = [self._end(file, token, ls) for file, token in _ends_named(f"/proc/self/fd/{f.fileno()}")]
+            crc = upload(self.fs, f, key(name), size)
+        if int(self.fs.info(key(name))["size"]) != size or remote_crc(self.fs, key(name), size) != crc:
+            raise CheckpointError(f"{self.url}{name}: the remote copy read back differs from what was sent")
+        marker = {"name": name, "size": size, "crc32c": crc, "ends": [e for e in ends if e is not None]}
+        marker.update(uploaded=time.time(), machine=_machine().split(" ")[0], pid=os.getpid())
+        self.lease.fence()
+        self.fs.pipe_file(key(name + MARKER), json.dumps(marker).encode())
+        if name + CORRUPT in ls:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(key(name + CORRUPT))
+        self.retain()
+
+    def _end(self, file: str, token: int, ls: dict):
+        "A stage-end file a checkpoint names, uploaded once under its token: its marker entry."
+        known = self.ends.get((file, token))
+        key = _end_key(file, token)
+        if known is not None and key in ls:
+            return known
+        if not _plain(file):
+            self.notices.post(f"AutoCheckpoint: the stage-end file {file} is not in {self.run.folder}: not mirrored")
+            return None
+        path = self.run.folder / file
+        try:
+            with open(path, "rb") as f:
+                proc = f"/proc/self/fd/{f.fileno()}"
+                end = io.info(proc, verify=False)["tree"].get("end")
+                if not isinstance(end, dict) or end.get("token") != token:
+                    return None  # written again since (a rerun of its stage): the checkpoint's own is gone
+                size = os.fstat(f.fileno()).st_size
+                crc = upload(self.fs, f, self.run.key(key), size)
+        except FileNotFoundError:
+            self.notices.post(f"AutoCheckpoint: the stage-end file {path} is gone: not mirrored")
+            return None
+        if remote_crc(self.fs, self.run.key(key), size) != crc:
+            raise CheckpointError(f"{self.url}{key}: the remote copy read back differs from what was sent")
+        entry = {"file": file, "key": key, "size": size, "crc32c": crc}
+        self.ends[(file, token)] = entry
+        return entry
+
+    def retain(self) -> None:
+        "Keeps the newest `keep` complete checkpoints (markers go first) and the stage-end files they name."
+        ls = self.run.listing()
+        done = self.run.complete(ls)
+        for name in done[: -self.keep]:
+            self.lease.fence()
+            for n in (name + MARKER, name):
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self.run.key(n))
+        named = set()
+        for name in done[-self.keep :]:
+            with contextlib.suppress(CheckpointError, FileNotFoundError):
+                named |= {e["key"] for e in self.run.manifest(name)["ends"]}
+        for n in ls:
+            if _END_KEY.match(n) and n.startswith(self.run.prefix) and n not in named:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self.run.key(n))
+
+    def clean(self) -> None:
+        "Data of killed uploads (no marker) and stage-end files no marker names: never a checkpoint."
+        ls = self.run.listing()
+        named = set()
+        for n in self.run.complete(ls):
+            with contextlib.suppress(Exception):
+                for e in self.run.manifest(n)["ends"]:
+                    named.add(e["key"])
+                    m = _END_KEY.match(e["key"])
+                    if m and m["file"] == e["file"]:  # uploaded already: not again (`_end`)
+                        self.ends[(e["file"], int(m["token"], 16))] = e
+        for n in ls:
+            orphan = self.run.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls
+            m = _END_KEY.match(n)
+            if orphan or (m and n.startswith(self.run.prefix) and n not in named):
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(self.run.key(n))
+
+
+class Uploader:
+    """The thread that mirrors the newest local checkpoint each time one is committed (those committed while
+    an upload runs are skipped), with `send`, retrying with backoff while the remote fails; what it has to say
+    (behind, caught up), said in the training thread; and at the end, the wait of up to `wait` seconds."""
+
+    def __init__(self, url: str, wait: float, lease: Lease, notices: Notices, send):
+        self.url, self.wait, self.lease, self.notices, self.send = url, wait, lease, notices, send
+        self.cond = threading.Condition()
+        self.want: Path | None = None  # the newest local checkpoint, to mirror
+        self.newest: str | None = None  # the newest checkpoint complete on the remote
+        self.commits = 0  # local checkpoints handed over by this process
+        self.mirrored_commits = 0  # ... of which the newest mirrored was the n-th
+        self.behind_since: float | None = None  # since when an upload has been failing
+        self.started: tuple | None = None  # (when, name, commits then) of the upload in progress
+        self.error: BaseException | None = None
+        self.closing = False
+        self.deadline: float | None = None  # set at the end: how long the last upload may still take
+        self.last_said = 0.0
+        self.thread = threading.Thread(target=self._loop, name="fastai_resume-remote", daemon=True)
+
+    def start(self, newest: str | None) -> None:
+        "Starts the thread; `newest`: the newest checkpoint complete on the remote now."
+        with self.cond:
+            self.newest = newest
+        self.thread.start()
+
     def committed(self, path: Path) -> None:
-        "A local checkpoint was committed: the upload thread mirrors it (or a newer one). Says what is due."
+        "A local checkpoint was committed: the thread mirrors it (or a newer one). Says what is due."
         with self.cond:
             self.commits += 1
             self.want = Path(path)
@@ -531,15 +632,15 @@ class Mirror:
         self.say_due()
 
     def say_due(self) -> None:
-        """What the upload thread has to say, said in the caller's (the training) thread; and, at most once a
-        minute, how far behind the remote is while uploads fail, or while one has taken a minute or more and
-        a newer checkpoint than the one it uploads is already waiting (a slow remote)."""
+        """What the background threads have to say, said in the caller's (the training) thread; and, at most
+        once a minute, how far behind the remote is while uploads fail, or while one has taken a minute or
+        more and a newer checkpoint than the one it uploads is already waiting (a slow remote)."""
         with self.cond:
-            msgs, self.messages = self.messages, []
+            msgs = self.notices.take()
             now, behind = time.monotonic(), self.commits - self.mirrored_commits
             failing = self.error is not None and self.behind_since is not None
             slow = self.started is not None and now - self.started[0] >= 60 and self.commits > self.started[2]
-            if (failing or slow) and self.lost is None and now - self.last_said >= 60 and behind > 0:
+            if (failing or slow) and self.lease.lost is None and now - self.last_said >= 60 and behind > 0:
                 self.last_said = now
                 msgs.append(self._behind(behind, now))
         for m in msgs:
@@ -557,30 +658,29 @@ class Mirror:
             f"{why}). Training goes on and local checkpoints are written; the upload goes on (a failed one is retried)."
         )
 
-    def _upload_loop(self):
+    def _loop(self):
         backoff = 1.0
         while True:
             with self.cond:
-                while not self.closing and (self.want is None or self.want.name == self.newest or self.lost):
+                while not self.closing and (self.want is None or self.want.name == self.newest or self.lease.lost):
                     self.cond.wait()
-                if self.lost or (self.closing and (self.want is None or self.want.name == self.newest)):
+                if self.lease.lost or (self.closing and (self.want is None or self.want.name == self.newest)):
                     return
                 path, count = self.want, self.commits
                 self.started = (time.monotonic(), path.name, count)
             try:
-                self._mirror(path)
+                self.send(path)
                 with self.cond:
                     if self.behind_since is not None:
-                        self.messages.append(
+                        self.notices.post(
                             f"AutoCheckpoint: the remote {self.url} is up to date again ({path.name}), after "
                             f"{_age(time.monotonic() - self.behind_since)} behind"
                         )
                     self.newest, self.mirrored_commits = path.name, count
                     self.error = self.behind_since = None
                     backoff = 1.0
-            except _Lost:
-                with self.cond:
-                    self.messages.append(self.lost)
+            except _Lost as e:
+                self.notices.post(str(e))
                 return
             except Exception as e:
                 with self.cond:
@@ -601,103 +701,14 @@ class Mirror:
     def _deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _mirror(self, path: Path) -> None:
-        "Uploads `path` and the stage-end files it names, checks them, writes its marker, applies `keep`."
-        name = path.name
-        with open(path, "rb") as f:  # held open: retention may unlink the file meanwhile
-            size = os.fstat(f.fileno()).st_size
-            ls = self.listing()
-            if name + MARKER in ls:
-                try:
-                    old = self.manifest(name)
-                except CheckpointError:
-                    old = None
-                if old is not None and (old["size"], old["crc32c"]) == local_crc(f"/proc/self/fd/{f.fileno()}"):
-                    return  # already there (a rerun that resumed from it)
-                self._fence()
-                self.fs.rm_file(self.key(name + MARKER))  # its bytes are about to change: no marker meanwhile
-            ends = [self._mirror_end(file, token, ls) for file, token in _ends_named(f"/proc/self/fd/{f.fileno()}")]
-            crc = upload(self.fs, f, self.key(name), size)
-        if int(self.fs.info(self.key(name))["size"]) != size or remote_crc(self.fs, self.key(name), size) != crc:
-            raise CheckpointError(f"{self.url}{name}: the remote copy read back differs from what was sent")
-        marker = {"name": name, "size": size, "crc32c": crc, "ends": [e for e in ends if e is not None]}
-        marker.update(uploaded=time.time(), machine=_machine().split(" ")[0], pid=os.getpid())
-        self._fence()
-        self.fs.pipe_file(self.key(name + MARKER), json.dumps(marker).encode())
-        if name + CORRUPT in ls:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self.key(name + CORRUPT))
-        self._retain()
-
-    def _mirror_end(self, file: str, token: int, ls: dict):
-        "A stage-end file a checkpoint names, uploaded once under its token: its marker entry."
-        known = self.ends.get((file, token))
-        key = _end_key(file, token)
-        if known is not None and key in ls:
-            return known
-        if not _plain(file):
-            self.messages.append(f"AutoCheckpoint: the stage-end file {file} is not in {self.folder}: not mirrored")
-            return None
-        path = self.folder / file
-        try:
-            with open(path, "rb") as f:
-                proc = f"/proc/self/fd/{f.fileno()}"
-                end = io.info(proc, verify=False)["tree"].get("end")
-                if not isinstance(end, dict) or end.get("token") != token:
-                    return None  # written again since (a rerun of its stage): the checkpoint's own is gone
-                size = os.fstat(f.fileno()).st_size
-                crc = upload(self.fs, f, self.key(key), size)
-        except FileNotFoundError:
-            self.messages.append(f"AutoCheckpoint: the stage-end file {path} is gone: not mirrored")
-            return None
-        if remote_crc(self.fs, self.key(key), size) != crc:
-            raise CheckpointError(f"{self.url}{key}: the remote copy read back differs from what was sent")
-        entry = {"file": file, "key": key, "size": size, "crc32c": crc}
-        self.ends[(file, token)] = entry
-        return entry
-
-    def _retain(self) -> None:
-        "Keeps the newest `keep` complete checkpoints (markers go first) and the stage-end files they name."
-        ls = self.listing()
-        done = self.complete(ls)
-        for name in done[: -self.keep]:
-            self._fence()
-            for n in (name + MARKER, name):
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(self.key(n))
-        named = set()
-        for name in done[-self.keep :]:
-            with contextlib.suppress(CheckpointError, FileNotFoundError):
-                named |= {e["key"] for e in self.manifest(name)["ends"]}
-        for n in ls:
-            if _END_KEY.match(n) and n.startswith(self.prefix) and n not in named:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(self.key(n))
-
-    def _renew_loop(self):
-        while True:
-            with self.cond:
-                if self.cond.wait_for(lambda: self.closing or self.lost is not None, timeout=RENEW):
-                    return
-            try:
-                self._fence()
-                self._write_lock()
-            except _Lost:
-                with self.cond:
-                    self.messages.append(self.lost)
-                return
-            except Exception:
-                pass  # unreachable: the upload thread says so; the lease lapses if it stays so
-
-    # -- end
-    def close(self) -> None:
+    def close(self) -> bool:
         """At the process's end: waits up to `wait` seconds for the newest local checkpoint to be mirrored
-        (saying so, and what the remote has if it is not), then releases the lease. Once."""
+        (saying so, and what the remote has if it is not). False if it was closed already."""
         with self.cond:
             if self.closing:
-                return
+                return False
             want = self.want
-            pending = want is not None and want.name != self.newest and self.lost is None
+            pending = want is not None and want.name != self.newest and self.lease.lost is None
             self.deadline = time.monotonic() + self.wait
             self.closing = True
             self.cond.notify_all()
@@ -705,13 +716,13 @@ class Mirror:
                 print(f"AutoCheckpoint: mirroring {want.name} to {self.url} (waiting up to {self.wait:.0f} s)")
                 sys.stdout.flush()
                 self.cond.wait_for(
-                    lambda: self.lost is not None or self.newest == want.name or self._deadline_passed(),
+                    lambda: self.lease.lost is not None or self.newest == want.name or self._deadline_passed(),
                     timeout=self.wait,
                 )
             done = want is None or self.newest == want.name
         if want is not None and done:  # the process's last word on the remote, as it ends
             print(f"AutoCheckpoint: {want.name} is on {self.url}", flush=True)
-        elif want is not None and pending and self.lost is None:
+        elif want is not None and pending and self.lease.lost is None:
             why = _reason(self.error) if self.error else "the upload did not finish in time"
             print(
                 f"AutoCheckpoint: exiting with the remote {self.url} behind: it has {self.newest or 'no checkpoint'} "
@@ -719,15 +730,102 @@ class Mirror:
                 flush=True,
             )
         self.say_due()
-        if self.lost is None:
-            with contextlib.suppress(Exception):
-                held = self._read_lock()
-                if held is not None and held.get("token") == self.token:
-                    self.fs.rm_file(self.key(self.lock_name))
+        return True
 
 
-class _Lost(Exception):
-    "Another process holds the run's lease: this mirror stops."
+class Mirror:
+    """The remote copy of one run's checkpoints (`AutoCheckpoint(remote=...)`): see the module's doc. A
+    composition of the run's folder there (`RemoteRun`: listing, markers, the resume's download), its lease
+    (`Lease`), what a checkpoint is there (`Publisher`: upload, marker, retention) and the thread that
+    mirrors each new one (`Uploader`).
+
+    `open()` (at the run's start) takes the run's lease on the remote and fails at once, with a message
+    that says why, where the remote refuses the credentials, lacks the bucket or cannot be reached.
+    `resume_point(local)` is the checkpoint to resume from (downloading a newer one the remote has);
+    `committed(path)` hands a new local checkpoint to the upload thread."""
+
+    def __init__(self, url, options, folder: Path, fname: str, run_id: str, keep: int, wait: float):
+        self.run = RemoteRun(url, options, folder, fname, run_id)
+        self.notices = Notices()
+        self.lease = Lease(self.run, fname, run_id, self.notices)
+        self.publisher = Publisher(self.run, self.lease, self.notices, keep)
+        self.uploads = Uploader(self.run.url, wait, self.lease, self.notices, self._mirror)
+        self.url, self.token, self.cond = self.run.url, self.lease.token, self.uploads.cond
+
+    @property
+    def newest(self) -> str | None:
+        "The newest checkpoint complete on the remote (read under `cond`)."
+        return self.uploads.newest
+
+    def open(self):
+        """Takes the run's lease and removes what killed uploads left; fails now, saying why, where the
+        remote cannot be used (the credentials, the bucket, the network), rather than hours later."""
+        tries = (2.0, 4.0, 8.0)
+        for i in range(len(tries) + 1):
+            try:
+                if _is_local(self.run.fs):
+                    self.run.fs.makedirs(self.run.root, exist_ok=True)
+                self.run.listing()
+                self.lease.take()
+                break
+            except RuntimeError:
+                raise  # the lease: held by another process
+            except Exception as e:
+                if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
+                    raise RemoteError(
+                        None,
+                        f"AutoCheckpoint: the remote {self.url} refused the credentials ({_reason(e)}); check them "
+                        "(for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
+                        "remote_options=dict(key=..., secret=...)). Training has not started.",
+                    ) from None
+                if isinstance(e, FileNotFoundError):
+                    raise RemoteError(
+                        None,
+                        f"AutoCheckpoint: the remote {self.url} does not exist ({_reason(e)}): create the bucket "
+                        "(or folder) first. Training has not started.",
+                    ) from None
+                if i == len(tries):
+                    raise RemoteError(
+                        None,
+                        f"AutoCheckpoint: cannot reach the remote {self.url} ({_reason(e)}), tried {i + 1} times. "
+                        "Training has not started: without the remote, this machine cannot know whether it holds a "
+                        "newer checkpoint of this run.",
+                    ) from None
+                time.sleep(tries[i])
+        self.publisher.clean()
+        self.publisher.retain()  # a process killed between a marker and the retention after it
+        done = self.run.complete()
+        self.uploads.start(done[-1] if done else None)
+        self.lease.thread.start()
+        atexit.register(self.close)
+
+    def names(self) -> list:
+        "This run's checkpoint names on the remote (complete or set aside as corrupt): for attempt numbering."
+        return self.run.names()
+
+    def resume_point(self, local: Path | None) -> Path | None:
+        "The checkpoint to resume from: `local`, or a newer one downloaded from the remote (`RemoteRun`)."
+        return self.run.resume_point(local)
+
+    def committed(self, path: Path) -> None:
+        "A local checkpoint was committed: the upload thread mirrors it (or a newer one). Says what is due."
+        self.uploads.committed(path)
+
+    def say_due(self) -> None:
+        "What the background threads have to say, said in the caller's (the training) thread."
+        self.uploads.say_due()
+
+    def _mirror(self, path: Path) -> None:
+        "One checkpoint mirrored (`Publisher.publish`): what the upload thread runs for each."
+        self.publisher.publish(path)
+
+    def close(self) -> None:
+        """At the process's end: the lease's renewals stop, waits up to `wait` seconds for the newest local
+        checkpoint to be mirrored (saying so, and what the remote has if it is not), then releases the lease.
+        Once."""
+        self.lease.stop()
+        if self.uploads.close():
+            self.lease.release()
 
 
 _MIRRORS: dict = {}  # (url, folder, prefix) -> the Mirror of this process
