@@ -510,11 +510,11 @@ typedef struct {
 
 static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"path", "copy", NULL};
+    static char *kwlist[] = {"path", "copy", "verify", NULL};
     PyObject *path_o;
-    int copy = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$p:Mapping", kwlist, PyUnicode_FSConverter,
-                                     &path_o, &copy))
+    int copy = 0, verify = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$pp:Mapping", kwlist, PyUnicode_FSConverter,
+                                     &path_o, &copy, &verify))
         return NULL;
     MappingObject *m = (MappingObject *)type->tp_alloc(type, 0);
     if (!m) {
@@ -524,7 +524,9 @@ static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     frk_error err;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = (copy ? frk_read_file : frk_map_file)(PyBytes_AS_STRING(path_o), &m->base, &m->len, &err);
+    rc = frk_load_file(PyBytes_AS_STRING(path_o),
+                       (copy ? FRK_LOAD_COPY : 0u) | (verify ? FRK_LOAD_VERIFY : 0u), &m->base,
+                       &m->len, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(path_o);
     if (rc) {
@@ -595,10 +597,12 @@ static PyType_Slot Mapping_slots[] = {
     {Py_tp_getset, Mapping_getset},
     {Py_bf_getbuffer, Mapping_getbuffer},
     {Py_bf_releasebuffer, Mapping_releasebuffer},
-    {Py_tp_doc, "Mapping(path, *, copy=False)\n--\n\n"
+    {Py_tp_doc, "Mapping(path, *, copy=False, verify=False)\n--\n\n"
                 "A checkpoint file's bytes, exported through the buffer protocol: a private\n"
                 "copy-on-write mapping of the file, or with copy=True the file read whole into\n"
-                "memory of the process's own (what later happens to the file cannot reach it)."},
+                "memory of the process's own (what later happens to the file cannot reach it).\n"
+                "verify=True checks the structure and every blob's CRC32C on the way in, on all\n"
+                "the CPUs; a Reader of it then need not check the blobs again."},
     {0, NULL},
 };
 static PyType_Spec Mapping_spec = {"fastai_resume._core.Mapping", sizeof(MappingObject), 0,

@@ -255,9 +255,9 @@ def load(path: PathLike, verify: bool = True, mmap: bool = False) -> Any:
     `verify=False` skips the blobs' checksums (never the index's). Any defect raises
     `CheckpointError`; no code from the file is ever run.
     """
-    m = _core.Mapping(os.fspath(path), copy=not mmap)
+    m = _core.Mapping(os.fspath(path), copy=not mmap, verify=verify)  # checked on the way in, naming the file
     try:
-        r = _core.Reader(m, verify=verify)
+        r = _core.Reader(m, verify=False)
         return r.tree(_decoder(m, r))
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None

@@ -328,7 +328,7 @@ def test_every_core_function_method_and_type_has_a_signature():
         "SkipToIter.before_epoch",
         "skip_plan",
     } <= set(checked)
-    assert list(inspect.signature(_core.Mapping).parameters) == ["path", "copy"]
+    assert list(inspect.signature(_core.Mapping).parameters) == ["path", "copy", "verify"]
     assert str(inspect.signature(_core.Writer.commit)) == "(self, /, path, fsync=True, direct=True)"
 
 
