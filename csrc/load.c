@@ -10,10 +10,12 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* The unit of work: read (when reading), then checksummed while it is still in the cache. */
@@ -22,6 +24,10 @@
 #define SPLIT_MIN ((uint64_t)16 << 20)
 /* Threads at most: two saturate the memory of a small machine; more help a larger one. */
 #define MAX_THREADS 8
+/* What a direct read's file offset, length and memory are aligned to (a page: what every block
+ * device takes; a file system that wants more refuses with EINVAL, and the rest is read buffered).
+ */
+#define DIRECT_ALIGN ((uint64_t)4096)
 
 /* Opens path for reading if it is a regular file long enough to be a checkpoint. */
 static int open_checkpoint_file(const char *path, int *fd_out, size_t *len, frk_error *err)
@@ -77,6 +83,8 @@ void frk_unmap(uint8_t *base, size_t len)
 /* A file a pass reads from. */
 typedef struct {
     int fd;
+    int direct_fd;      /* the same file opened with O_DIRECT, or -1 */
+    const uint8_t *map; /* the file mapped (never touched) to ask which pages are cached */
     const char *path;
     size_t len;
 } pass_file;
@@ -87,6 +95,7 @@ typedef struct {
     const uint8_t *data; /* the image */
     uint8_t *dest;       /* the same memory, when each chunk is read into it from file first */
     const pass_file *file;
+    atomic_int direct_ok; /* cleared when the file system refuses a direct read */
     int verify;
     uint64_t start, end; /* the bytes passed over, [start, end) of the image */
     /* Chunk k is the image's [(first_chunk + k) * CHUNK, ... + CHUNK), cut to [start, end). */
@@ -147,11 +156,49 @@ static size_t first_blob_after(const blob_pass *p, uint64_t at)
     return lo;
 }
 
+/* Whether every page of [at, at + n) of the file is in the page cache (mincore on a mapping that
+ * is never touched: asking starts no read, as a RWF_NOWAIT read would). */
+static int cached(const blob_pass *p, uint64_t at, uint64_t n)
+{
+    unsigned char vec[CHUNK / 4096 + 2];
+    uint64_t from = at / 4096 * 4096;
+    size_t pages = (size_t)((at + n - from + 4095) / 4096);
+    if (pages > sizeof vec || mincore((void *)(p->file->map + from), at + n - from, vec))
+        return 1; /* cannot tell: read it buffered */
+    for (size_t i = 0; i < pages; i++)
+        if (!(vec[i] & 1))
+            return 0;
+    return 1;
+}
+
+/* Reads from [at, at + n) into dest straight from the disk: neither a copy nor the page cache
+ * filled with what is read once. The bytes before the first aligned offset, and a last piece
+ * shorter than the alignment, are read buffered. Returns the bytes read, 0 at the end of the
+ * file, -1 with errno set, or -2 when the file system refuses (read buffered from now on). */
+static ssize_t read_direct(blob_pass *p, uint64_t at, uint64_t n)
+{
+    uint64_t head = (DIRECT_ALIGN - at % DIRECT_ALIGN) % DIRECT_ALIGN;
+    if (head || n < DIRECT_ALIGN)
+        return pread(p->file->fd, p->dest + at, (size_t)(head && head < n ? head : n), (off_t)at);
+    ssize_t got = pread(p->file->direct_fd, p->dest + at, (size_t)(n / DIRECT_ALIGN * DIRECT_ALIGN),
+                        (off_t)at);
+    if (got < 0 && errno == EINVAL) {
+        atomic_store(&p->direct_ok, 0);
+        return -2;
+    }
+    return got;
+}
+
 static int read_chunk(blob_pass *p, uint64_t cs, uint64_t ce)
 {
     uint64_t done = cs;
+    int direct = p->file->direct_fd >= 0 && !cached(p, cs, ce - cs);
     while (done < ce) {
-        ssize_t n = pread(p->file->fd, p->dest + done, (size_t)(ce - done), (off_t)done);
+        ssize_t n = -2;
+        if (direct && atomic_load_explicit(&p->direct_ok, memory_order_relaxed))
+            n = read_direct(p, done, ce - done);
+        if (n == -2)
+            n = pread(p->file->fd, p->dest + done, (size_t)(ce - done), (off_t)done);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0) {
@@ -275,6 +322,7 @@ static int blob_pass_run(const frk_blob *blobs, size_t n_blobs, const uint8_t *d
                    .first_chunk = start / CHUNK};
     atomic_init(&p.next, 0);
     atomic_init(&p.failed, 0);
+    atomic_init(&p.direct_ok, 1);
     if (start < end && (dest || verify)) {
         p.n_chunks = (size_t)((end - 1) / CHUNK - p.first_chunk + 1);
         if (verify) {
@@ -324,6 +372,38 @@ static int read_range(const pass_file *file, uint8_t *dest, uint64_t from, uint6
     return p.rc;
 }
 
+/* For reading a big file around the page cache where its pages are not in it: the same file
+ * opened again with O_DIRECT (through /proc: the same inode whatever became of its name) and
+ * mapped (never touched: mincore says which pages are cached). Nothing where either cannot be had.
+ */
+static void open_direct(pass_file *f)
+{
+    char proc[64];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", f->fd);
+    int d = open(proc, O_RDONLY | O_DIRECT | O_CLOEXEC | O_NONBLOCK);
+    struct stat a, b;
+    if (d < 0)
+        return;
+    void *m = mmap(NULL, f->len, PROT_READ, MAP_SHARED, f->fd, 0);
+    if (m == MAP_FAILED || fstat(f->fd, &a) || fstat(d, &b) || a.st_dev != b.st_dev ||
+        a.st_ino != b.st_ino) {
+        if (m != MAP_FAILED)
+            munmap(m, f->len);
+        close(d);
+        return;
+    }
+    f->direct_fd = d;
+    f->map = m;
+}
+
+static void close_direct(pass_file *f)
+{
+    if (f->direct_fd < 0)
+        return;
+    munmap((void *)f->map, f->len);
+    close(f->direct_fd);
+}
+
 /* Puts the file's name before a message of the reader's (which knows no file); returns the status.
  */
 static int name_file(frk_error *err, const char *path)
@@ -336,7 +416,7 @@ static int name_file(frk_error *err, const char *path)
 /* Reads path whole into fresh memory, the structure first, then the blobs (see frk_load_file). */
 static int read_file(const char *path, int verify, uint8_t **base, size_t *len, frk_error *err)
 {
-    pass_file f = {.path = path};
+    pass_file f = {.direct_fd = -1, .path = path};
     int rc = open_checkpoint_file(path, &f.fd, len, err);
     if (rc)
         return rc;
@@ -363,8 +443,11 @@ static int read_file(const char *path, int verify, uint8_t **base, size_t *len, 
         (rc = read_range(&f, m, index_offset, n - FRK_FOOTER_SIZE, err)) ||
         (rc = frk_reader_open(m, n, 0, &r, err)))
         goto out;
+    if (index_offset - FRK_PREAMBLE_SIZE >= SPLIT_MIN)
+        open_direct(&f);
     rc = blob_pass_run(frk_reader_blob(r, 0), frk_reader_blob_count(r), m, m, &f, FRK_PREAMBLE_SIZE,
                        index_offset, verify, err);
+    close_direct(&f);
 out:
     frk_reader_free(r);
     close(f.fd);

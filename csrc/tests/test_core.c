@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -2727,6 +2728,23 @@ static void load_both_ways(const char *path, const uint8_t *file, size_t flen, l
     }
 }
 
+/* The fraction of a file's pages in the page cache. */
+static double resident_fraction(int fd, size_t len)
+{
+    size_t pages = (len + 4095) / 4096, in = 0;
+    unsigned char *vec = xmalloc(pages);
+    void *m = mmap(NULL, len, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED || mincore(m, len, vec))
+        in = pages;
+    else
+        for (size_t i = 0; i < pages; i++)
+            in += vec[i] & 1;
+    if (m != MAP_FAILED)
+        munmap(m, len);
+    free(vec);
+    return (double)in / (double)pages;
+}
+
 /* frk_load_file, mapped and read, with the page cache holding all of the file, none of it (read
  * around it then), or part of it. */
 static void test_load_file(void)
@@ -2778,6 +2796,19 @@ static void test_load_file(void)
                       pread(fd, tmp, 4096, (off_t)(off[6] + (3u << 20) + 100)) == 4096);
                 free(tmp);
             }
+        }
+        if (cache == 1) { /* where the file left the cache, the read goes around it */
+            double before = resident_fraction(fd, flen), after = -1;
+            uint8_t *base;
+            size_t len;
+            if (CHECK(frk_load_file(path, FRK_LOAD_COPY | FRK_LOAD_VERIFY, &base, &len, &err) ==
+                      FRK_OK)) {
+                after = resident_fraction(fd, flen);
+                CHECK(len == flen && !memcmp(base, file, flen));
+                frk_unmap(base, len);
+            }
+            CHECKF(before > 0.5 || after < 0.2, "%.0f%% of the file in the cache after the read",
+                   100 * after); /* (tmpfs: always in it) */
         }
         load_both_ways(path, file, flen, -1);
     }
