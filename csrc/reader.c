@@ -1,16 +1,10 @@
 /* The validating reader: checks a checkpoint image (load.c brings files into memory) and
  * decodes its index. */
-#define _GNU_SOURCE
 #include "internal.h"
 #include "layout.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 struct frk_reader {
     const uint8_t *data;
