@@ -183,8 +183,9 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
 
 typedef struct frk_reader frk_reader;
 
-/* Maps path privately (copy-on-write, writable).  Free with frk_unmap.  The
- * mapping still reads the file: truncating that inode later faults (SIGBUS). */
+/* Maps path privately (copy-on-write, writable); nothing is read until it is
+ * touched.  Free with frk_unmap.  The mapping still reads the file: truncating
+ * that inode later faults (SIGBUS). */
 int frk_map_file(const char *path, uint8_t **base, size_t *len, frk_error *err);
 /* How frk_load_file brings a file into memory. */
 #define FRK_LOAD_COPY 1u   /* read whole into fresh memory of the process's own (else: mapped) */

@@ -278,9 +278,9 @@ def is_checkpoint(path: PathLike) -> bool:
 
 def info(path: PathLike, verify: bool = True) -> dict:
     "Format facts of a checkpoint without building its tensors: version, blobs, tensor table."
-    m = _core.Mapping(os.fspath(path))
+    m = _core.Mapping(os.fspath(path), verify=verify)  # checked as load checks it, naming the file
     try:
-        r = _core.Reader(m, verify=verify)
+        r = _core.Reader(m, verify=False)  # (the structure again, the only check without verify)
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
     tensors = r.tensors()  # the table once: info must stay linear in the tensor count
