@@ -86,16 +86,25 @@ compat: build
 	    --basetemp=build/compat/tmp $(COMPAT_TESTS) | tail -n 8; \
 	done
 
+# The wheel as users get it (.ci/matrix.py): `python -m build`'s sdist and wheels, each installed by pip
+# into a clean venv per Python pyproject.toml claims, with the newest stack (constraints-dev.txt) and
+# the oldest it claims; the format, exact-resume, CLI and compat tests run against it. Writes
+# .ci/matrix.json (the README's table: python3 .ci/matrix.py --rewrite). Needs no dev venv.
+.PHONY: matrix
+matrix:
+	python3 .ci/matrix.py
+
 demo: build
 	$(PY) -m fastai_resume.demo
 
-# Every benchmark writes bench/results/NAME.json; report.py turns them into the README's tables.
+# Every benchmark writes bench/results/NAME.json; report.py turns them into the README's tables (and docs/sharded.md's).
 bench: build
 	$(PY) bench/io.py
 	$(PY) bench/resume.py
 	$(PY) bench/overhead.py
 	$(PY) bench/scale.py
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py
+	$(PY) bench/sharded.py
 	$(PY) bench/report.py
 
 clean:

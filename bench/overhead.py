@@ -17,8 +17,8 @@ by 20-50% from one run to the next, far more than a save costs. So one fit saves
 and is cut into segments of N steps, a save in the middle of every other one; a save's cost is its
 segment's time minus the mean of the two segments beside it (a second apart: the machine's drift
 cancels). The same cut of a fit without saves gives the method's own noise, and background saves
-written through the page cache (`BackgroundCommit.direct = False`) what writing around it saves,
-background saves from snapshot buffers in 4 KB pages (`snapshot.huge_pages = False`) what the huge
+written through the page cache (`AutoCheckpoint.saves.direct = False`) what writing around it saves,
+background saves from snapshot buffers in 4 KB pages (`SnapshotPool(huge_pages=False)`) what the huge
 pages save; a copy of the same number of bytes between two warm buffers at the same steps (`MemcpyAt`) is the
 limit of any snapshot, measured where the snapshot runs. Each run's first save is reported apart (a background save allocates its reusable buffers then). The overhead at a save
 interval of I steps is then cost / (I x step time).
@@ -57,8 +57,7 @@ from fastai.learner import Learner  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 
 import fastai_resume  # noqa: E402
-from fastai_resume import snapshot  # noqa: E402
-from fastai_resume.snapshot import BackgroundCommit  # noqa: E402
+from fastai_resume.snapshot import SnapshotPool  # noqa: E402
 
 
 def learner(path, iters, cbs):
@@ -97,10 +96,10 @@ class TimedAutoCheckpoint(fastai_resume.AutoCheckpoint):
             self.writes.append(dt)
         return r
 
-    def _check_inflight(self, block):
-        w = self._inflight[0] if self._inflight is not None else None
-        super()._check_inflight(block)
-        if w is not None and self._inflight is None:
+    def _check_inflight(self, block, last=False):
+        w = self.saves.inflight[0] if self.saves.inflight is not None else None
+        super()._check_inflight(block, last)
+        if w is not None and self.saves.inflight is None:
             self.writes.append(w.seconds)
 
 
@@ -180,17 +179,15 @@ def paired(a, d):
             if mode == "memcpy":
                 cbs.append(MemcpyAt(2 * n))
             elif mode != "none":
-                cbs.append(
-                    TimedAutoCheckpoint(
-                        every_iters=2 * n, every_epoch=False, keep=2, resume=False, background=mode != "synchronous"
-                    )
+                auto = TimedAutoCheckpoint(
+                    every_iters=2 * n, every_epoch=False, keep=2, resume=False, background=mode != "synchronous"
                 )
+                auto.saves.direct = mode != "background-buffered"  # the comparison: through the page cache
+                auto.saves.pool = SnapshotPool(huge_pages=mode != "background-base-pages")  # and: 4 KB pages
+                cbs.append(auto)
             learn = learner(os.path.join(d, f"p{r}-{mode}"), iters, cbs)
-            BackgroundCommit.direct = mode != "background-buffered"  # the comparison: through the page cache
-            snapshot.huge_pages = mode != "background-base-pages"  # and: the buffers in 4 KB pages
             with learn.no_bar(), learn.no_logging():
                 learn.fit(1, 1e-4)
-            BackgroundCommit.direct, snapshot.huge_pages = True, True
             t = clock.t
             for j in range(1, saves + 1):
                 s = 2 * n * j

@@ -1,9 +1,9 @@
-"""The README's benchmark figures, generated from the JSON files `make bench` writes into
-bench/results/: each benchmark's table sits in README.md between `<!-- bench:NAME -->` and
-`<!-- /bench:NAME -->`, and nothing between them is written by hand.
+"""The benchmark figures, generated from the JSON files `make bench` writes into bench/results/: each
+benchmark's table sits in docs/benchmarks.md (or, for those in `PAGES`, in its own page of docs/) between
+`<!-- bench:NAME -->` and `<!-- /bench:NAME -->`, and nothing between them is written by hand.
 
-    python bench/report.py           # rewrite those blocks of README.md from bench/results/*.json
-    python bench/report.py --check   # exit 1 if README.md differs from what the files give
+    python bench/report.py           # rewrite those blocks of docs/benchmarks.md from bench/results/*.json
+    python bench/report.py --check   # exit 1 if docs/benchmarks.md differs from what the files give
     python bench/report.py --reproduces OLD_DIR  # which figures of an earlier run's files this run's reproduce
     python bench/report.py --merge DIR1 DIR2 ... # pool the rounds of several runs into bench/results/
 
@@ -19,7 +19,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-README = os.path.join(HERE, "..", "README.md")
+README = os.path.join(HERE, "..", "docs", "benchmarks.md")  # the page the tables live in
 sys.path.insert(0, HERE)
 import common  # noqa: E402  (statistics of rounds; torch only inside common.machine)
 
@@ -320,7 +320,38 @@ def ddp_control(res) -> str:
     )
 
 
-RENDER = {"io": io, "resume": resume, "overhead": overhead, "scale": scale, "ddp_control": ddp_control}
+def sharded(res) -> str:
+    out = []
+    for scaling, what in (
+        ("same model", "A fixed model, each rank holding 1/N of it"),
+        ("same share", "A fixed share per rank, the model growing with N"),
+    ):
+        out += [
+            f"**{what}** (seconds: the slowest rank, median and range of {res['rounds']} rounds):",
+            "",
+            "| processes | model + Adam | rank 0's file | save: fastai_resume | save: DCP | load: fastai_resume "
+            "| load: DCP |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in res["rows"] if r["scaling"] == scaling):
+            out.append(
+                f"| {r['world']} | {r['state_bytes'] / 2**20:.0f} MiB | {r['file_bytes_rank0'] / 2**20:.1f} MiB "
+                f"| {_mm(r['ours_save'])} | {_mm(r['dcp_save'])} | {_mm(r['ours_load'])} | {_mm(r['dcp_load'])} |"
+            )
+        out.append("")
+    return "\n".join(out + [machine_line(res)])
+
+
+RENDER = {
+    "io": io,
+    "resume": resume,
+    "overhead": overhead,
+    "scale": scale,
+    "ddp_control": ddp_control,
+    "sharded": sharded,
+}
+# Benchmarks whose block is in a page of docs/ rather than in the README (which links to the page).
+PAGES = {"sharded": os.path.join(HERE, "..", "docs", "sharded.md")}
 
 
 def render_file(name: str, path: str) -> str:
@@ -339,12 +370,14 @@ def rewrite(text: str, results=RESULTS) -> str:
     return BLOCK.sub(lambda m: m.group(1) + render(m.group("name"), results) + m.group(4), text)
 
 
-def problems(text: str, results=RESULTS) -> list:
-    "What is wrong with the README's bench blocks: missing, unknown, or not what the files give."
+def problems(text: str, results=RESULTS, names=None) -> list:
+    """What is wrong with the README's bench blocks (or a page's: `names`, the blocks it must have):
+    missing, unknown, or not what the files give."""
+    names = [n for n in RENDER if n not in PAGES] if names is None else names
     found = [m.group("name") for m in BLOCK.finditer(text)]
     out = [
         f"no block <!-- bench:{n} --> for bench/results/{n}.json"
-        for n in RENDER
+        for n in names
         if os.path.exists(os.path.join(results, f"{n}.json")) and n not in found
     ]
     out += [f"block bench:{n} has no renderer" for n in found if n not in RENDER]
@@ -451,18 +484,23 @@ def main():
         print("\n".join(["not reproduced (median outside the old range):"] + no))
         print(f"{len(yes)} of {len(yes) + len(no)} figures reproduced within the old run's range")
         return
-    with open(a.readme) as f:
-        text = f.read()
+    docs = [(a.readme, None)] + [(page, [name]) for name, page in PAGES.items()]
+    bad = []
+    for doc, names in docs:
+        with open(doc) as f:
+            text = f.read()
+        if a.check:
+            bad += problems(text, names=names)
+            continue
+        new = rewrite(text)
+        if new != text:
+            with open(doc, "w") as f:
+                f.write(new)
+        print(f"{os.path.relpath(doc)}: {len(BLOCK.findall(new))} benchmark blocks written from bench/results/")
+    for p in bad:
+        print(p, file=sys.stderr)
     if a.check:
-        bad = problems(text)
-        for p in bad:
-            print(p, file=sys.stderr)
         sys.exit(1 if bad else 0)
-    new = rewrite(text)
-    if new != text:
-        with open(a.readme, "w") as f:
-            f.write(new)
-    print(f"{os.path.relpath(a.readme)}: {len(BLOCK.findall(new))} benchmark blocks written from bench/results/")
 
 
 if __name__ == "__main__":

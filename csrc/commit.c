@@ -10,10 +10,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifdef __linux__
 #include <linux/magic.h>
+#include <sys/random.h>
 #include <sys/vfs.h>
 #endif
 #include <stdatomic.h>
@@ -24,6 +26,7 @@
 #define WRITE_CHUNK (1u << 20)       /* buffered: checksummed, then written while in cache */
 #define DIRECT_CHUNK (8u << 20)      /* direct: larger writes, each one waits for the device */
 #define STAGE_SIZE ((size_t)8 << 20) /* the direct path's staging buffer */
+#define TEMP_NAME_TRIES 16u          /* random temporary names tried before giving up */
 
 /* Where the commit's bytes go: the temporary file, written in one sequential pass, either
  * through the page cache, or (direct) with O_DIRECT in whole pages from page-aligned memory:
@@ -200,24 +203,86 @@ static int split_path(const char *path, char *dir, size_t dir_cap, const char **
     return 0;
 }
 
-/* The temporary file's name in the target's directory: ".<name>.tmp.<pid>.<attempt>", which
- * says whose it is and which process writes it.  A name too long for that (NAME_MAX is 255
- * bytes) keeps its first bytes, cut at a character boundary, and a hash of the whole name:
- * ".<start of name>~<crc32c of name>.tmp.<pid>.<attempt>". */
-static void temp_name(char *out, size_t cap, const char *base, unsigned attempt)
+/* 64 bits no other process can guess, for a temporary file's name: getrandom(2), else
+ * /dev/urandom.  A system with neither gets the clock and a counter: names still differ, and
+ * O_EXCL with a bounded retry still never overwrites a planted file. */
+static uint64_t random_bits(void)
 {
-    enum { NAME_MAX_ = 255, SUFFIX_MAX = 48 }; /* ".tmp." pid "." attempt, with room to spare */
+    uint64_t r = 0;
+#ifdef __linux__
+    if (getrandom(&r, sizeof r, 0) == (ssize_t)sizeof r)
+        return r;
+#endif
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, &r, sizeof r);
+        close(fd);
+        if (n == (ssize_t)sizeof r)
+            return r;
+    }
+    static _Atomic uint64_t counter;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return ((uint64_t)ts.tv_sec << 30) ^ (uint64_t)ts.tv_nsec ^
+           (atomic_fetch_add(&counter, 1) * 0x9E3779B97F4A7C15u);
+}
+
+/* The temporary file's name in the target's directory: ".<name>.tmp.<pid>.<random>", 16 hex
+ * digits of random_bits(): it says whose it is and which process writes it (a dead writer's
+ * file is recognised by its pid), and nobody can create it ahead of the writer.  A name too
+ * long for that (NAME_MAX is 255 bytes) keeps its first bytes, cut at a character boundary,
+ * and a hash of the whole name: ".<start of name>~<crc32c of name>.tmp.<pid>.<random>". */
+static void temp_name(char *out, size_t cap, const char *base)
+{
+    enum { NAME_MAX_ = 255, SUFFIX_MAX = 48 }; /* ".tmp." pid "." 16 hex digits, with room */
     long pid = (long)getpid();
+    unsigned long long rnd = (unsigned long long)random_bits();
     size_t n = strlen(base);
     if (1 + n + SUFFIX_MAX <= NAME_MAX_) {
-        snprintf(out, cap, ".%s.tmp.%ld.%u", base, pid, attempt);
+        snprintf(out, cap, ".%s.tmp.%ld.%016llx", base, pid, rnd);
         return;
     }
     size_t keep = NAME_MAX_ - 1 - 9 - SUFFIX_MAX; /* "." and "~xxxxxxxx" */
     while (keep > 0 && ((uint8_t)base[keep] & 0xC0) == 0x80)
         keep--;
-    snprintf(out, cap, ".%.*s~%08x.tmp.%ld.%u", (int)keep, base, frk_crc32c(0, base, n), pid,
-             attempt);
+    snprintf(out, cap, ".%.*s~%08x.tmp.%ld.%016llx", (int)keep, base, frk_crc32c(0, base, n), pid,
+             rnd);
+}
+
+/* Where each blob goes (offsets, when not NULL), where the index starts, its size and the file's
+ * size: the layout the commit writes, and what frk_builder_size reports. */
+static int plan_layout(const frk_builder *b, uint64_t *offsets, uint64_t *index_offset,
+                       size_t *index_size, uint64_t *file_size, frk_error *err)
+{
+    uint64_t off = FRK_PREAMBLE_SIZE, total = 0;
+    int over = 0;
+    for (size_t i = 0; i < b->n_blobs && !over; i++) {
+        uint64_t a = blob_align(b->blobs[i].len);
+        over = off > UINT64_MAX - (a - 1);
+        off = over ? off : align_up(off, a);
+        if (offsets)
+            offsets[i] = off;
+        over = over || __builtin_add_overflow(off, b->blobs[i].len, &off);
+    }
+    /* the index's parts are in memory already: their sum fits in a size_t */
+    size_t ix = FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * b->n_blobs + FRK_INDEX_WORD +
+                b->tensors.len + FRK_INDEX_WORD + b->tree.len;
+    over = over || off > UINT64_MAX - (FRK_INDEX_WORD - 1);
+    uint64_t start = over ? 0 : align_up(off, FRK_INDEX_WORD);
+    if (over || __builtin_add_overflow(start, (uint64_t)ix, &total) ||
+        __builtin_add_overflow(total, (uint64_t)FRK_FOOTER_SIZE, &total))
+        return frk_fail(err, FRK_EINVAL, 0, "checkpoint larger than 2^64 bytes");
+    *index_offset = start;
+    *index_size = ix;
+    *file_size = total;
+    return FRK_OK;
+}
+
+int frk_builder_size(const frk_builder *b, uint64_t *size, frk_error *err)
+{
+    uint64_t index_offset;
+    size_t index_size;
+    return plan_layout(b, NULL, &index_offset, &index_size, size, err);
 }
 
 int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
@@ -247,19 +312,10 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
     offsets = malloc((b->n_blobs ? b->n_blobs : 1) * sizeof *offsets);
     if (!offsets)
         return frk_oom(err);
-    uint64_t off = FRK_PREAMBLE_SIZE;
-    for (size_t i = 0; i < b->n_blobs; i++) {
-        off = align_up(off, blob_align(b->blobs[i].len));
-        offsets[i] = off;
-        if (__builtin_add_overflow(off, b->blobs[i].len, &off)) {
-            rc = frk_fail(err, FRK_EINVAL, 0, "checkpoint larger than 2^64 bytes");
-            goto out;
-        }
-    }
-    uint64_t index_offset = align_up(off, FRK_INDEX_WORD);
-    size_t index_size = FRK_INDEX_WORD + FRK_BLOB_ENTRY_SIZE * b->n_blobs + FRK_INDEX_WORD +
-                        b->tensors.len + FRK_INDEX_WORD + b->tree.len;
-    uint64_t file_size = index_offset + index_size + FRK_FOOTER_SIZE;
+    uint64_t index_offset, file_size;
+    size_t index_size;
+    if ((rc = plan_layout(b, offsets, &index_offset, &index_size, &file_size, err)))
+        goto out;
     index = malloc(index_size);
     if (!index) {
         rc = frk_oom(err);
@@ -275,17 +331,20 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
                       dir, path, strerror(e), e);
         goto out;
     }
-    /* The temporary file beside the target, so the rename stays on one file system. */
-    for (unsigned attempt = 0;; attempt++) {
-        temp_name(tmp, sizeof tmp, base, attempt);
+    /* The temporary file beside the target, so the rename stays on one file system.  Its name
+     * cannot be guessed; a name taken all the same (a collision, or a file planted by chance)
+     * gets another one, a bounded number of times. */
+    for (unsigned attempt = 1;; attempt++) {
+        temp_name(tmp, sizeof tmp, base);
         fd = openat(dfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
         if (fd >= 0)
             break;
-        if (errno != EEXIST || attempt > 100) {
+        if (errno != EEXIST || attempt == TEMP_NAME_TRIES) {
             int e = errno;
             rc = frk_fail(err, FRK_EIO, e,
-                          "cannot create a temporary file %s in %s for %s: %s (errno %d)", tmp, dir,
-                          path, strerror(e), e);
+                          "cannot create a temporary file %s in %s for %s: %s (errno %d%s)", tmp,
+                          dir, path, strerror(e), e,
+                          e == EEXIST ? ", every random name tried was taken" : "");
             goto out;
         }
     }

@@ -173,11 +173,15 @@ int frk_builder_put_tensor(frk_builder *b, uint64_t tensor, frk_error *err);
 
 /* Writes the checkpoint to path atomically: a temporary file in the same
  * directory, preallocated, written in one sequential pass, fsynced, renamed
- * over path, then the directory fsynced.  On any failure the temporary file
+ * over path, then the directory fsynced.  The temporary file's name has a random part (no
+ * other process can create it first) and the writer's pid.  On any failure the temporary file
  * is removed and whatever was at path before is untouched.  Safe to call
  * without the GIL: touches no Python state.  *written receives the file size. */
 int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
                        frk_error *err);
+/* *size receives the bytes the commit of what b holds now will write (a full disk's error says
+ * how much room the checkpoint needs).  Fails only for a checkpoint of 2^64 bytes or more. */
+int frk_builder_size(const frk_builder *b, uint64_t *size, frk_error *err);
 
 /* ---- reader --------------------------------------------------------------- */
 
@@ -269,6 +273,9 @@ int frk_skip_take_rng(frk_skip *s);
 void frk_skip_after_epoch(frk_skip *s, int64_t epoch);
 /* 1 while the resume has still something to do. */
 int frk_skip_pending(const frk_skip *s);
+/* After the last epoch: 1 (once) if the resume's target was the fit's very end, so that no epoch
+ * resumed and the saved state is due now; 0 otherwise. */
+int frk_skip_after_last_epoch(frk_skip *s);
 
 #ifdef __cplusplus
 }

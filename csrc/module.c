@@ -441,6 +441,16 @@ static PyObject *Writer_get_done(WriterObject *w, void *Py_UNUSED(c))
     return PyBool_FromLong(w->phase == WRITER_DONE || atomic_load(&w->thread_done));
 }
 
+static PyObject *Writer_get_size(WriterObject *w, void *Py_UNUSED(c))
+{
+    if (!writer_open(w)) /* a commit may be reading the builder in another thread */
+        return NULL;
+    uint64_t size;
+    frk_error err;
+    int rc = frk_builder_size(w->b, &size, &err);
+    return rc ? writer_status(w, rc, &err) : PyLong_FromUnsignedLongLong(size);
+}
+
 #define PUT_DOC(name, arg, what) #name "($self, " #arg ", /)\n--\n\n" what
 static PyMethodDef Writer_methods[] = {
     {"add_blob", (PyCFunction)(void (*)(void))Writer_add_blob, METH_VARARGS | METH_KEYWORDS,
@@ -484,6 +494,8 @@ static PyMethodDef Writer_methods[] = {
 
 static PyGetSetDef Writer_getset[] = {
     {"done", (getter)Writer_get_done, NULL, "True once the commit has finished", NULL},
+    {"size", (getter)Writer_get_size, NULL,
+     "The bytes a commit of what this Writer holds will write (before the commit)", NULL},
     {NULL},
 };
 
@@ -754,6 +766,11 @@ static PyObject *build(ReaderObject *ro, const frk_node *nodes, size_t *i, PyObj
         PyObject *d = PyDict_New();
         for (uint64_t k = 0; d && k < nd->count; k++) {
             PyObject *key = build(ro, nodes, i, make_tensor);
+            /* interned, as the literals a state dict's keys come from are: an object saved again
+               with pickle (a between-stage learn.save) then memoizes its repeated keys as it did
+               before */
+            if (key && PyUnicode_CheckExact(key))
+                PyUnicode_InternInPlace(&key);
             PyObject *v = key ? build(ro, nodes, i, make_tensor) : NULL;
             if (!v || PyDict_SetItem(d, key, v) < 0)
                 Py_CLEAR(d);
@@ -894,26 +911,20 @@ static PyObject *Skip_after_epoch(SkipObject *o, PyObject *v)
     Py_RETURN_NONE;
 }
 
-static PyObject *Skip_disarm(SkipObject *o, PyObject *Py_UNUSED(a))
+static PyObject *Skip_after_last_epoch(SkipObject *o, PyObject *Py_UNUSED(a))
 {
-    frk_skip_disarm(&o->s);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(frk_skip_after_last_epoch(&o->s));
 }
 
 static PyObject *Skip_get_pending(SkipObject *o, void *Py_UNUSED(c))
 {
     return PyBool_FromLong(frk_skip_pending(&o->s));
 }
-static PyObject *Skip_get_target(SkipObject *o, void *Py_UNUSED(c))
-{
-    return Py_BuildValue("LL", (long long)o->s.epoch, (long long)o->s.iter);
-}
 
 static PyMethodDef Skip_methods[] = {
     {"arm", (PyCFunction)Skip_arm, METH_VARARGS,
      "arm($self, epoch, iter, n_epoch, n_iter, /)\n--\n\n"
      "Resume at (epoch, iter) in a fit of n_epoch epochs of n_iter batches."},
-    {"disarm", (PyCFunction)Skip_disarm, METH_NOARGS, "disarm($self, /)\n--\n\nEvery epoch runs."},
     {"before_epoch", (PyCFunction)Skip_before_epoch, METH_O,
      "before_epoch($self, epoch, /)\n--\n\n"
      "At the start of each epoch: (action, rng_action, first_iter), with action one of\n"
@@ -924,11 +935,13 @@ static PyMethodDef Skip_methods[] = {
      "True exactly once, when the saved mid-epoch RNG state is due."},
     {"after_epoch", (PyCFunction)Skip_after_epoch, METH_O,
      "after_epoch($self, epoch, /)\n--\n\nAt the end of each epoch that ran."},
+    {"after_last_epoch", (PyCFunction)Skip_after_last_epoch, METH_NOARGS,
+     "after_last_epoch($self, /)\n--\n\n"
+     "True once, after the last epoch, if the resume's target was the fit's very end."},
     {NULL},
 };
 static PyGetSetDef Skip_getset[] = {
     {"pending", (getter)Skip_get_pending, NULL, "the resume still has work to do", NULL},
-    {"target", (getter)Skip_get_target, NULL, "(epoch, iter)", NULL},
     {NULL},
 };
 static PyType_Slot Skip_slots[] = {

@@ -96,3 +96,13 @@ void frk_skip_after_epoch(frk_skip *s, int64_t epoch)
 }
 
 int frk_skip_pending(const frk_skip *s) { return s->state == ARMED || s->state == IN_EPOCH; }
+
+int frk_skip_after_last_epoch(frk_skip *s)
+{
+    /* A fit resumed at its very end (every epoch done when it was saved) resumed in no epoch: the
+       state it was saved with (its RNG, loaders, schedule) is due now, once. */
+    if (s->state != ARMED || s->epoch != s->n_epoch)
+        return 0;
+    s->state = DONE;
+    return 1;
+}

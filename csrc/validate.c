@@ -244,6 +244,11 @@ int frk_check_tensor(unsigned kind, unsigned dtype, unsigned ndim, uint64_t blob
     if (!item)
         return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has unknown dtype code %u",
                         (unsigned long long)idx, dtype);
+    if (kind == FRK_KIND_NUMPY &&
+        (dtype == FRK_DT_BF16 || dtype == FRK_DT_C32 || dtype >= FRK_DT_F8_E4M3FN))
+        return frk_fail(err, FRK_ECORRUPT, 0,
+                        "tensor %llu is a NumPy array of dtype code %u, not a NumPy dtype",
+                        (unsigned long long)idx, dtype);
     if (ndim > FRK_MAX_NDIM)
         return frk_fail(err, FRK_ECORRUPT, 0, "tensor %llu has %u dimensions (at most %u)",
                         (unsigned long long)idx, ndim, FRK_MAX_NDIM);

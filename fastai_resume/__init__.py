@@ -3,16 +3,29 @@
 `import fastai_resume` patches `Learner.save`, `Learner.load`, `Learner.fit` and the fit wrappers
 on the installed fastai (`patches`), when fastai's Learner is imported (at once if it is already);
 nothing else in the user's code changes, and nothing of fastai is imported that the user's code does
-not import itself (the command-line tool imports no fastai at all). Where things live:
+not import itself (the command-line tool imports no fastai at all). Where things live, bottom up
+(each module imports only those above it):
 
-    io.py, csrc/      the checkpoint format (pickle-free, verified, atomic)
-    paths.py          where a name's file is (fastai's path / model_dir rules)
-    checkpoint.py     the Learner's checkpoint tree: schema, validation, commit
-    session.py        the script's stages and a fit's resume session (position, capture, skip)
-    loaders.py        each DataLoader's iteration state and the skip of k batches
-    state.py          RNG, Recorder and callback state
-    autosave.py       AutoCheckpoint: when to save, retention, autoresume, preemption
-    patches.py        the fastai patches
+    _core (csrc/), io.py   the checkpoint format (pickle-free, verified, atomic)
+    paths.py, dist.py      where a name's file is; torch.distributed plumbing
+    fastai_classes.py      "is this fastai's X?", without importing fastai
+    state.py, loaders.py,  pieces of the training state: RNG, Recorder, hidden state, gradients;
+    callbacks.py,          each DataLoader's iteration state and the skip of k batches; the
+    trackers.py            callbacks' state (fastai's, TensorBoard's and W&B's, the user's hooks)
+    trainstate.py          the checkpoint's training state: version, capture, validation, restore
+    script.py              what is known about one learner's script (and the hooks that act on it)
+    checkpoint.py          the Learner checkpoint: tree, commit, read, load into the learner
+    check.py               `fastai-resume check`
+    between.py, stages.py  the script's stages, their end states and what it does between them
+    session.py             one fit's resume: its callback, position, skip, restore
+    snapshot.py            background saves (a copy at the batch boundary, written by a thread)
+    remote.py              checkpoints mirrored to object storage (fsspec), resumed from it elsewhere
+    sharded.py, dcp.py     a sharded (FSDP2) model's checkpoints: a file per rank, a manifest; other
+                           world sizes; torch.distributed.checkpoint (DCP) import and export
+    runfolder.py,          AutoCheckpoint: a run's files (names, lock, retention); when to save,
+    autosave.py            autoresume, preemption, the remote mirror
+    patches.py             every patch of fastai
+    fsdp.py                fsdp_ctx: training a model sharded with FSDP2 (torchrun, gloo or NCCL)
 """
 
 import importlib
@@ -27,14 +40,40 @@ __all__ = [
     "CheckpointError",
     "EXT",
     "ResumeSession",
+    "fsdp_ctx",
     "info",
     "is_checkpoint",
     "load",
     "save",
 ]
 
-_LAZY = {"AutoCheckpoint": "autosave", "PREEMPTED_EXIT_CODE": "autosave", "ResumeSession": "session"}
-_SUBMODULES = {"autosave", "checkpoint", "dist", "loaders", "patches", "paths", "session", "state"}
+_LAZY = {
+    "AutoCheckpoint": "autosave",
+    "PREEMPTED_EXIT_CODE": "autosave",
+    "ResumeSession": "session",
+    "fsdp_ctx": "fsdp",
+}
+_SUBMODULES = {
+    "autosave",
+    "between",
+    "callbacks",
+    "check",
+    "checkpoint",
+    "dcp",
+    "dist",
+    "fsdp",
+    "loaders",
+    "patches",
+    "paths",
+    "remote",
+    "runfolder",
+    "script",
+    "session",
+    "sharded",
+    "stages",
+    "state",
+    "trainstate",
+}
 
 
 def __getattr__(name):  # fastai's classes are needed only once the user's code uses them

@@ -1,14 +1,24 @@
 """The command-line tool: `python -m fastai_resume` (or `fastai-resume`).
 
-    inspect FILE          format, training position, tensors, RNG and loop state, checksums
+    inspect FILE          format, training position, tensors, RNG and loop state, checksums; of a
+                          sharded checkpoint (a folder) its manifest, every rank's file and which rank
+                          wrote which part of each tensor
     verify FILE_OR_DIR    one line per checkpoint (OK, or BAD and what is wrong); a folder's other
-                          files are skipped, each on a SKIP line, and a summary line ends the list
-    convert SRC DST       fastai_resume checkpoint -> vanilla fastai .pth (for deployment), or back
+                          files are skipped, each on a SKIP line, and a summary line ends the list; a
+                          sharded checkpoint is one checkpoint (its manifest and every shard); both take a
+                          URL too, `s3://bucket/run/...`: `remote.cli_inspect`, `cli_verify`
+    convert SRC DST       fastai_resume checkpoint (a file or a sharded folder) -> vanilla fastai .pth
+                          (for deployment), or back; `--to dcp`: a DCP checkpoint (torch.distributed.
+                          checkpoint), and a DCP checkpoint back into a fastai_resume file
     check SCRIPT [ARGS]   does this training script resume exactly? (runs it three times, short)
 
 Exit status: 0 when all is well; 1 when `verify` finds a file that is not a valid checkpoint,
 `inspect` a checksum that fails, or `check` a difference; 2 on an error (a missing file, a file
 that is not what the command needs, a file that cannot be written), told in one line on stderr that names the file.
+
+A file's content is untrusted: a tree that says it is a Learner checkpoint (it has the schema key
+or a training state) is checked as `learn.load` checks it before any command reads a field of it;
+a malformed one is BAD for `verify` and an error (exit 2) for the others, never a traceback.
 
 The tool needs neither fastai nor a GPU: it prints its output and nothing else.
 """
@@ -21,14 +31,18 @@ import re
 import stat
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
-from . import _core, io
+from . import _core, checkpoint, dcp, io, remote, sharded
+from .check import check
 from .io import CheckpointError
+from .paths import MANIFEST
+from .state import plain
 
 _MAGIC_LEN = 8  # the format's magic bytes (docs/FORMAT.md): a shorter file can only be a cut checkpoint
 _ZIP = b"PK\x03\x04"  # torch.save's format (since torch 1.6), so every vanilla fastai .pth
-_TEMP = re.compile(r"^\..+\.tmp\.\d+\.\d+$")  # a commit's temporary file (csrc/format.c), in progress or killed
+_TEMP = re.compile(r"^\..+\.tmp\.\d+\.[0-9a-f]+$")  # a commit's temporary file (csrc/commit.c), in progress or killed
 
 
 class Failure(Exception):
@@ -78,13 +92,37 @@ def _reason(e: Exception, path) -> str:
     return msg
 
 
+def _claims_learner(tree) -> bool:
+    "Whether a tree says it is a Learner checkpoint: it has the schema key or a training state."
+    return isinstance(tree, dict) and ("fastai_resume" in tree or "train" in tree)
+
+
+def _check_learner(tree, path) -> None:
+    """Raises `CheckpointError`, naming the file and the part, where a tree that says it is a Learner
+    checkpoint is malformed: what `learn.load` refuses (`checkpoint.check`). An `info()` tree's tensor
+    entries are checked through data-less stand-ins."""
+    if _claims_learner(tree):
+        try:
+            train = io.stand_ins(tree.get("train"))
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        checkpoint.check({**tree, "train": train}, path)
+
+
+def _is_sharded(p: Path) -> bool:
+    "A folder that is a sharded checkpoint, or is named as one (then BAD if it is not one)."
+    return p.is_dir() and ((p / MANIFEST).is_file() or p.name.endswith(io.EXT))
+
+
 def _problem(path) -> str | None:
     "What is wrong with `path` as a checkpoint, or None when it is complete and every checksum verifies."
+    if _is_sharded(Path(path)):
+        return sharded.problem(path)
     head, size = _head(path)
     if not _claims_format(head, size):
         return _not_ours(head)
     try:
-        io.info(path, verify=True)
+        _check_learner(io.info(path, verify=True)["tree"], path)
     except (CheckpointError, OSError) as e:
         return _reason(e, path)
     return None
@@ -109,17 +147,78 @@ def _nbytes(ref):
     return n * int(_core.dtype_size(ref.code))
 
 
+def _print_position(p) -> None:
+    print(
+        f"position: epoch {p['epoch']} of {p['n_epoch']}, {p['iter']} of {p['n_iter']} training batches done "
+        f"(batch size {p['bs']}, fit {p['fit_index']}, train_iter {p['train_iter']}, "
+        f"pct_train {p['pct_train']:.4f})"
+    )
+
+
+def _part(offset, local, shape) -> str:
+    "A chunk's place in its tensor: `[0:19]` (rows 0 to 18, whole in the other dimensions), or `whole`."
+    if local is None:
+        return "?"
+    dims = [(o, n, g) for o, n, g in zip(offset, local, shape)]
+    while dims and dims[-1][0] == 0 and dims[-1][1] == dims[-1][2]:
+        dims.pop()
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n, _ in dims) + "]" if dims else "whole"
+
+
+def _inspect_sharded(a) -> int:
+    d = sharded.describe(a.file)
+    m, ranks = d["manifest"], d["ranks"]
+    bad = [r for r in ranks if r["problem"]]
+    state = "all checksums verify" if not bad else f"{len(bad)} of {len(ranks)} rank files BAD"
+    print(
+        f"{a.file}: sharded checkpoint of {m['world_size']} ranks (save {m['token']:016x}, manifest schema "
+        f"{m['fastai_resume_sharded']}), {sum(r['size'] for r in ranks):,} bytes in {len(ranks)} files and "
+        f"{MANIFEST}; {state}"
+    )
+    tree = d["tree"]
+    if tree is not None:
+        _check_learner({k: v for k, v in tree.items() if k != "shard"}, a.file)  # before a field of it is read
+        train = tree.get("train")
+        if train:
+            _print_position(train["position"])
+        else:
+            print("position: none (saved outside fit: loading it never skips work)")
+    for r in ranks:
+        print(
+            f"rank {r['rank']}: {r['file']}, {r['size']:,} bytes, " + (f"BAD: {r['problem']}" if r["problem"] else "ok")
+        )
+    table: dict = {}
+    for r in ranks:
+        for key, shape, offset, local in r["chunks"]:
+            table.setdefault(key, (shape, []))[1].append((r["rank"], offset, local))
+    print(f"{len(table)} sharded tensors (global shape, each rank's part); the rest is each rank's own")
+    if not a.brief:
+        for key, (shape, parts) in table.items():
+            where = "  ".join(f"rank {r}: {_part(o, n, shape)}" for r, o, n in parts)
+            print(f"  {key:40s} {str(list(shape)):16s} {where}")
+    return 1 if bad else 0
+
+
 def cmd_inspect(a):
+    if Path(a.file).is_dir():
+        if _is_sharded(Path(a.file)):
+            return _inspect_sharded(a)
+        if dcp.is_dcp(a.file):
+            raise Failure(
+                f"{a.file}: a DCP checkpoint (torch.distributed.checkpoint); `fastai-resume convert` imports it"
+            )
+        raise Failure(f"{a.file}: is a folder, not a file (nor a sharded or a DCP checkpoint)")
     head, size = _head(a.file)
     if not _claims_format(head, size):
         raise Failure(f"{a.file}: {_not_ours(head)}")
     info = io.info(a.file, verify=False)
+    tree = info["tree"]
+    _check_learner(tree, a.file)  # before a field of it is read
     try:
         io.info(a.file, verify=True)
         verified, status = "all checksums verify", 0
     except CheckpointError as e:
         verified, status = f"CHECKSUM FAILURE: {_reason(e, a.file)}", 1
-    tree = info["tree"]
     print(
         f"{a.file}: fastai_resume format v{info['version']}, {info['size']:,} bytes, "
         f"{len(info['blobs'])} blobs, {len(info['tensors'])} tensors; {verified}"
@@ -127,18 +226,13 @@ def cmd_inspect(a):
     train = tree.get("train") if isinstance(tree, dict) else None
     if isinstance(tree, dict) and "model" in tree:
         if train:
-            p = train["position"]
-            print(
-                f"position: epoch {p['epoch']} of {p['n_epoch']}, {p['iter']} of {p['n_iter']} training batches done "
-                f"(batch size {p['bs']}, fit {p['fit_index']}, train_iter {p['train_iter']}, "
-                f"pct_train {p['pct_train']:.4f})"
-            )
+            _print_position(train["position"])
             rec = train.get("recorder") or {}
             print(
                 f"recorder: {len(rec.get('values', []))} epochs of metrics, "
                 f"smooth-loss count {rec.get('smooth_count')}; "
                 f"rng: python, numpy, torch{', cuda' if 'cuda' in train['rng'] else ''}; "
-                f"callbacks: {', '.join(train['callbacks']) or 'none'}"
+                f"callbacks: {', '.join(map(str, train['callbacks'])) or 'none'}"
             )
         else:
             print("position: none (saved outside fit: loading it never skips work)")
@@ -159,6 +253,10 @@ def _scan(folder: Path):
             yield p, "a save's temporary file (a save in progress, or left by a killed one)"
         elif p.name.endswith(".corrupt"):
             yield p, "set aside as corrupt by autoresume"
+        elif _is_sharded(p):
+            yield p, None  # a sharded checkpoint: one entry, its manifest and every shard
+        elif p.is_dir():
+            yield p, "a folder, not a checkpoint"
         else:
             try:
                 head, size = _head(p)
@@ -171,6 +269,8 @@ def _scan(folder: Path):
 
 def cmd_verify(a):
     target = Path(a.target)
+    if _is_sharded(target):
+        return _verify_sharded(target)
     if target.is_dir():
         entries = list(_scan(target))
     else:
@@ -188,7 +288,7 @@ def cmd_verify(a):
             print(f"BAD  {f}: {problem}")
         else:
             ok += 1
-            print(f"OK   {f}")
+            print(f"OK   {f}" + (" (sharded)" if f.is_dir() else ""))
     if target.is_dir():
         print(f"{ok} ok, {bad} bad, {skipped} skipped")
         if ok + bad == 0:
@@ -197,6 +297,22 @@ def cmd_verify(a):
                 f"({skipped} other {'entry' if skipped == 1 else 'entries'} skipped)"
             )
     return 1 if bad else 0
+
+
+def _verify_sharded(target: Path) -> int:
+    "One sharded checkpoint: its verdict, then its manifest and every rank's file, each on a line."
+    why = sharded.problem(target)
+    try:
+        m = sharded.read_manifest(target)
+    except CheckpointError:
+        m = None
+    what = f" (sharded, {m['world_size']} ranks, save {m['token']:016x})" if m else ""
+    print(f"OK   {target}{what}" if why is None else f"BAD  {target}{what}: {why}")
+    if m is not None:
+        print(f"       {MANIFEST}")
+        for s in m["shards"]:
+            print(f"       rank {s['rank']}: {s['file']}")
+    return 0 if why is None else 1
 
 
 def _write_atomically(write, dst: Path):
@@ -253,8 +369,9 @@ def _load_vanilla(src: Path, head: bytes):
                 f"{src}: holds {', '.join(other)}, not only tensors and fastai's optimizer state; "
                 "not loaded (convert never runs code from a file)"
             )
-    try:
-        with torch.serialization.safe_globals(allowed):
+    try:  # (torch warns about pickle protocols it may not read: the error, if any, says what matters)
+        with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             st = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as e:  # whatever torch's unpickler meets in a file that is not one of its own
         if not head.startswith(_ZIP):
@@ -273,45 +390,81 @@ def _load_vanilla(src: Path, head: bytes):
     return model, opt
 
 
+def _source(src: Path, head: bytes | None, size: int) -> tuple:
+    "What `convert` reads: (model state dict, optimizer state or None, what it is)."
+    if src.is_dir():
+        if dcp.is_dcp(src):
+            tree = dcp.read(src)
+            what = "a DCP checkpoint"
+        elif _is_sharded(src):
+            tree = sharded.gathered(src)  # every tensor whole, in this one process
+            _check_learner(tree, src)
+            what = "a sharded checkpoint"
+        else:
+            raise Failure(f"{src}: is a folder, not a file (nor a sharded or a DCP checkpoint)")
+        import torch
+
+        model = tree.get("model") if isinstance(tree, dict) else None
+        if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
+            raise Failure(f"{src}: {what} without a model state dict ('model')")
+        return model, tree.get("opt"), what
+    if _claims_format(head or b"", size):
+        tree = io.load(src)
+        if not isinstance(tree, dict) or "model" not in tree:
+            raise Failure(f"{src}: a fastai_resume file, but not a Learner checkpoint (no 'model')")
+        _check_learner(tree, src)
+        if not isinstance(tree["model"], dict):
+            raise Failure(f"{src}: 'model' is a {type(tree['model']).__name__}, not a state dict")
+        return tree["model"], tree.get("opt"), "a fastai_resume checkpoint"
+    model, opt = _load_vanilla(src, head or b"")
+    return model, opt, "a torch.save file"
+
+
 def cmd_convert(a):
     src, dst = Path(a.src), Path(a.dst)
-    head, size = _head(src)
-    if dst.is_dir():
+    head, size = (None, 0) if src.is_dir() else _head(src)
+    if a.to == "dcp":
+        if dst.exists():
+            raise Failure(f"{dst}: exists; name a new folder for the DCP checkpoint")
+    elif dst.is_dir():
         raise Failure(f"{dst}: is a folder; name the file to write")
     if not dst.parent.is_dir():
         raise Failure(f"{dst}: folder {dst.parent} does not exist")
     if dst.exists() and os.path.samefile(src, dst):
         raise Failure(f"{dst}: is the source file; name another file")
-    if _claims_format(head, size):
+    model, opt, what = _source(src, head, size)
+    if a.model_only:
+        opt = None
+    to = a.to or ("frk" if what in ("a torch.save file", "a DCP checkpoint") else "pth")
+    if to == "pth":
         import torch
 
-        tree = io.load(src)
-        if not isinstance(tree, dict) or "model" not in tree:
-            raise Failure(f"{src}: a fastai_resume file, but not a Learner checkpoint (no 'model')")
-        out = (
-            {"model": tree["model"], "opt": tree["opt"]}
-            if tree.get("opt") is not None and not a.model_only
-            else tree["model"]
-        )
+        out = {"model": model, "opt": opt} if opt is not None else model
         _write_atomically(lambda f: torch.save(out, f), dst)
         print(f"wrote {dst} (vanilla fastai: learn.load / torch.load read it)")
-    else:
-        from .state import plain
-
-        model, opt = _load_vanilla(src, head)
+    elif to == "frk":
         tree = {"fastai_resume": 1, "model": model}
-        if opt is not None and not a.model_only:
+        if opt is not None:
             tree["opt"] = opt
         try:
             io.save(plain(tree), dst)
         except TypeError as e:
             raise Failure(f"{src}: {e}") from None
         print(f"wrote {dst} (fastai_resume format, no training position)")
+    else:
+        tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}")
+        try:
+            dcp.export({"model": model, **({"opt": opt} if opt is not None else {})}, tmp)
+            os.rename(tmp, dst)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        print(f"wrote {dst} (a DCP checkpoint: torch.distributed.checkpoint.load reads it, at any sharding)")
 
 
 def cmd_check(a):
-    from .check import check
-
     if not Path(a.script).is_file():
         raise Failure(f"{a.script}: no such script")
     kill_at = tuple(int(x) for x in a.kill_at.split(",")) if a.kill_at else None
@@ -332,9 +485,17 @@ def main(argv=None):
     p.add_argument("--brief", action="store_true", help="no per-tensor lines")
     p = sub.add_parser("verify", help="check every checksum; exit 1 if a file is not a valid checkpoint")
     p.add_argument("target", metavar="FILE_OR_DIR")
-    p = sub.add_parser("convert", help="fastai_resume <-> vanilla fastai .pth (told by content, not name)")
+    p = sub.add_parser(
+        "convert", help="fastai_resume (a file or a sharded folder) <-> vanilla fastai .pth or DCP (told by content)"
+    )
     p.add_argument("src")
     p.add_argument("dst")
+    p.add_argument(
+        "--to",
+        choices=("pth", "frk", "dcp"),
+        default=None,
+        help="what to write (default: a fastai_resume checkpoint becomes .pth, anything else .frk)",
+    )
     p.add_argument("--model-only", action="store_true", help="write only the model's state dict")
     p = sub.add_parser(
         "check", help="run a training script uninterrupted, killed and resumed; report the first difference (exit 1)"
@@ -350,8 +511,10 @@ def main(argv=None):
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     try:
+        if a.cmd in ("inspect", "verify") and remote.is_url(a.file if a.cmd == "inspect" else a.target):
+            return remote.cli_inspect(a, cmd_inspect) if a.cmd == "inspect" else remote.cli_verify(a.target, _problem)
         return {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert, "check": cmd_check}[a.cmd](a) or 0
-    except (Failure, CheckpointError, OSError) as e:
+    except (Failure, CheckpointError, OSError, ImportError) as e:
         msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
             msg = f"{e.filename}: {msg}"

@@ -1,13 +1,13 @@
 """`AutoCheckpoint`: periodic, background, retained, auto-resumed checkpoints, and a clean exit on
-preemption (SIGTERM). One callback; run the same script again after a crash and it continues.
+preemption (SIGTERM). One callback; run the same script again after a crash and it continues. What it
+does with files is `runfolder.RunFolder`'s; this is its policy: when to save, and what a failure does.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
-import fcntl
 import functools
-import hashlib
 import os
 import re
 import signal
@@ -18,9 +18,11 @@ from pathlib import Path
 
 from fastai.callback.core import Callback
 
-from . import check, checkpoint, dist, io, paths
+from . import check, checkpoint, dist, paths, sharded
+from . import remote as _remote
 from .io import CheckpointError
-from .session import script, session_of
+from .runfolder import RunFolder, run_identity
+from .script import STAGE_BEGIN_HOOKS, script, session_of
 from .snapshot import BackgroundCommit, SnapshotPool
 
 __all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE"]
@@ -28,16 +30,53 @@ __all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE"]
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process ended by SIGTERM
 
 
+class Agreed(enum.IntFlag):
+    "What every rank of a data-parallel fit must know at a batch's end (one all-reduce of them, `dist.agree_any`)."
+
+    PREEMPTED = 1  # a SIGTERM seen by any rank: every rank saves at this batch, then exits
+    TIME_DUE = 2  # `every_seconds` has passed, by rank 0's clock
+    FAILED = 4  # rank 0's background save failed: every rank raises together
+    WRITING = 8  # a sharded save's file is still being written on some rank: its manifest waits
+
+
+class AutosaveRun:
+    """What one AutoCheckpoint run has done in this process: whether it has autoresumed (once per process,
+    again after an interrupted fit) and the attempt number its files carry. Shared by every instance of
+    one run (a new AutoCheckpoint passed to each fit call is the same run, its files named alike)."""
+
+    def __init__(self):
+        self.resumed = False
+        self.attempt: int | None = None
+
+
+class Preemption:
+    "While a fit runs in the main thread: SIGTERM only sets `requested` (the fit saves, then exits)."
+
+    def __init__(self):
+        self.requested, self._old = False, None
+
+    def install(self) -> None:
+        self.requested, self._old = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.requested = True
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
+
+
 class AutoCheckpoint(Callback):
     """Saves a resumable checkpoint every `every_iters` training batches, every `every_seconds`
     and/or after every epoch, into `learn.path/learn.model_dir`, keeping the newest `keep` of this run.
 
-    - Files: `{fname}-{run}-g{attempt}-s{stage}-f{fit}-e{epoch}-i{iter}.frk`. `run` identifies the run
-      (a hash of the model's structure, the loaders' shape, the world size and the first stage's call:
-      another model, another learning rate, another data size is another run); `attempt` counts the
-      starts of this run that did not resume (`resume=False`, an explicit `start_epoch`, no valid file);
-      names sort by (attempt, stage, fit, epoch, iteration), the order retention and autoresume use.
-      Files of other runs, and any file not named so, are never touched.
+    - Files: `{fname}-{run}-g{attempt}-s{stage}-f{fit}-e{epoch}-i{iter}.frk` (`runfolder`). `run`
+      identifies the run (`runfolder.run_identity`); `attempt` counts the starts of this run that did
+      not resume (`resume=False`, an explicit `start_epoch`, no valid file). Files of other runs, and any
+      file not named so, are never touched.
     - `every_iters=N`: after every training batch whose `train_iter` (batches trained in this fit) is a
       multiple of N, whatever the epoch-end saves do.
     - `background=True`: the state is copied at the batch boundary (into the previous save's
@@ -46,7 +85,9 @@ class AutoCheckpoint(Callback):
       waits for it. A failed save raises at the next
       batch boundary (`on_error='warn'`: a loud warning instead, for background and synchronous saves).
       A save that finds the disk full removes this run's older checkpoints (never the newest valid
-      one) and tries again once.
+      one) and tries again once; each time it says so, in a warning and a printed line (the folder,
+      the room the checkpoint needs, what was removed). When nothing is left to remove, the error
+      says what to do.
     - `resume=True`: the first training call of the process (and the next one after an interrupted
       fit) continues from the newest valid checkpoint of this run; a file proven corrupt is named in a
       warning and renamed `*.corrupt`; an error that is not the file's fault (too many open files,
@@ -60,6 +101,10 @@ class AutoCheckpoint(Callback):
       checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
       from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
       failed save are agreed by all (one all-reduce of 32 bytes per batch, over gloo).
+    - `remote='s3://bucket/run/'` (any fsspec URL; `remote_options`: the file system's options): each
+      checkpoint committed here is then mirrored there by a background thread, `keep` holds there too, and
+      a start whose local folder lacks a newer checkpoint resumes from the remote's (`remote.Mirror`,
+      docs/remote.md). The process's end waits up to `remote_wait` seconds for the newest one's upload.
     """
 
     order = 100  # after the Recorder and the trackers have updated, before ResumeSession
@@ -76,6 +121,9 @@ class AutoCheckpoint(Callback):
         preempt=True,
         on_error="raise",
         fast_forward=False,
+        remote=None,
+        remote_options=None,
+        remote_wait=300.0,
     ):
         if keep < 1:
             raise ValueError("AutoCheckpoint(keep=...) must keep at least one checkpoint")
@@ -89,156 +137,76 @@ class AutoCheckpoint(Callback):
             every_seconds,
             every_epoch,
         )
-        self.keep, self.background, self.resume, self.preempt, self.on_error = (
-            keep,
-            background,
-            resume,
-            preempt,
-            on_error,
-        )
-        self.fast_forward = fast_forward
-        self._inflight = None  # (BackgroundCommit, final path)
-        self._pool = SnapshotPool()  # background saves copy into the previous save's buffers
-        self._failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
-        self._run = None  # this run's AutosaveRun, shared with every other instance of the same run
-        self._lock = None  # the open lock file of this run
-        self._old_handler = None
+        self.keep, self.background, self.resume, self.preempt = keep, background, resume, preempt
+        self.on_error, self.fast_forward = on_error, fast_forward
+        self.remote, self.remote_options, self.remote_wait = remote, remote_options, remote_wait
+        if remote is not None:
+            _remote.filesystem(remote, remote_options)  # a missing package or a malformed URL: said now
         self.run_id = None  # this run's identity (hex), set when its first stage begins (fastai's `run` is taken)
         self.attempt = None
-        self.saved = []  # paths committed by this process, oldest first
+        self.files: RunFolder | None = None
+        self.saves = Saves(on_error)
+        self._run: AutosaveRun | None = None
+        self._mirror = None  # this run's remote.Mirror (rank 0), once the run is known
+        self._preemption = Preemption()
+        self._last_time = 0.0
 
     def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
-        d = dict(self.__dict__)
-        for k in ("_inflight", "_lock", "_old_handler", "_failure", "_run"):
-            d[k] = None
-        d["_pool"] = SnapshotPool()  # buffers (and their lock) belong to this process's fit
-        return d
+        return {**self.__dict__, "_run": None, "files": None, "_preemption": Preemption(), "_mirror": None}
 
-    # -- files ------------------------------------------------------------------------------
+    @property
+    def saved(self) -> list:
+        "The checkpoints this process committed, oldest first."
+        return self.saves.saved
+
     @property
     def folder(self) -> Path:
         return paths.model_folder(self.learn)
 
-    def _name(self, stage, fit_index, epoch, it) -> Path:
-        return self.folder / (
-            f"{self.fname}-{self.run_id}-g{self.attempt:03d}-s{stage:03d}-f{fit_index:02d}"
-            f"-e{epoch:06d}-i{it:010d}{io.EXT}"
-        )
-
-    def _pattern(self):
-        return re.compile(
-            re.escape(f"{self.fname}-{self.run_id}-")
-            + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}"
-            + re.escape(io.EXT)
-            + "$"
-        )
-
-    def checkpoints(self):
+    def checkpoints(self) -> list:
         "This run's checkpoint files, oldest (attempt, stage, fit, epoch, iteration) first."
-        return self._files(self.folder)
-
-    def _files(self, folder: Path) -> list:
-        if self.run_id is None or not folder.is_dir():
-            return []
-        pat = self._pattern()
-        return sorted(p for p in folder.iterdir() if pat.match(p.name))
+        return self.files.checkpoints() if self.files is not None else []
 
     def latest_valid(self):
-        """The newest checkpoint of this run that verifies. Each newer one proven corrupt (bad magic,
-        structure or checksum) is named in a warning and renamed to `*.corrupt`, so that retention never
-        counts it; any other error (EMFILE, ENOMEM, EACCES ...) is raised: the file may be fine."""
-        for p in reversed(self.checkpoints()):
-            try:
-                io.info(p, verify=True)
-                return p
-            except CheckpointError as e:
-                warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=2)
-                try:
-                    p.rename(p.with_name(p.name + ".corrupt"))
-                except OSError:
-                    pass
-            except FileNotFoundError:
-                continue
-        return None
-
-    def _run_identity(self, stage) -> str:
-        learn, sc = self.learn, script(self.learn)
-        first = sc.signatures[0] if sc.signatures else stage.signature
-        from fastai.torch_core import get_model
-
-        sd = get_model(learn.model).state_dict()
-        from .loaders import batch_size
-
-        parts = [f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sd.items() if hasattr(v, "shape")]
-        parts += [
-            f"world {dist.world()}",
-            f"train {len(dist.unwrap_dl(learn.dls.train))}x{batch_size(learn.dls.train)}",
-            f"first {first['method']} {sorted(first['args'].items())} {first['trainable']}",
-        ]
-        return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:10]
-
-    def _take_lock(self):
-        if self._lock is not None:
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f".{self.fname}-{self.run_id}.lock"
-        f = open(path, "a+")
-        try:  # a POSIX record lock: the process's own (DataLoader workers forked from it do not hold it)
-            fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            raise RuntimeError(
-                f"AutoCheckpoint: {holder} is already training this run into {self.folder} (lock "
-                f"{path.name}); two processes writing one run's checkpoints would delete each "
-                "other's files. Stop the other one, or give this one another fname or path."
-            ) from None
-        f.truncate(0)
-        f.write(f"process {os.getpid()}")
-        f.flush()
-        self._lock = f
-
-    def _release_lock(self):
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
-
-    def _remove_dead_temps(self):
-        "Temporary files of this run's saves whose process is gone (killed mid-save): never valid."
-        pat = self._pattern()
-        checkpoint.remove_dead_temps(self.folder, lambda name: bool(pat.match(name)))
+        return self.files.latest_valid() if self.files is not None else None
 
     def arm_resume(self, stage):
         """Called when a training call (a stage) begins: identifies the run, takes its lock, and the first
         time (or after an interrupted fit) loads the newest valid checkpoint of this run."""
         if os.environ.get(check.ENV):
             return  # `fastai-resume check` runs: no files of ours, no autoresume
+        sc = script(self.learn)
         if self.run_id is None:
-            self.run_id = self._run_identity(stage)
-        run = self._run = script(self.learn).autosave_run((str(self.folder.resolve()), self.fname, self.run_id))
-        p = None
+            self.run_id = run_identity(self.learn, sc.signatures[0] if sc.signatures else stage.signature)
+        if self.files is None:
+            self.files = RunFolder(self.folder, self.fname, self.run_id, self.keep)
+        files, p = self.files, None
+        files.folder = self.folder
+        run = self._run = sc.autosave_runs.setdefault(
+            (str(self.folder.resolve()), self.fname, self.run_id), AutosaveRun()
+        )
         if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
-            self._take_lock()
-            self._remove_dead_temps()
-            if (
-                self.resume
-                and stage.resume
-                and not stage.explicit
-                and not run.resumed
-                and script(self.learn).armed is None
-            ):
-                p = self.latest_valid()
+            files.take_lock()
+            files.remove_dead_temps()
+            if self.remote is not None and self._mirror is None:  # the remote's lease, checked before any training
+                self._mirror = self.saves.mirror = _remote.mirror_for(
+                    self.remote, self.remote_options, self.folder, self.fname, self.run_id, self.keep, self.remote_wait
+                )
+            if self.resume and stage.resume and not stage.explicit and not run.resumed and sc.armed is None:
+                p = files.latest_valid()
+                if self._mirror is not None:  # a newer checkpoint on the remote (a new machine: none here)
+                    p = self._mirror.resume_point(p)
                 if p is not None:
-                    self._retain()  # a run killed between a commit and its retention
+                    _retain(files)  # a run killed between a commit and its retention
             if run.attempt is None:
-                files = self.checkpoints()
-                last = int(self._pattern().match(files[-1].name)[1]) if files else -1
-                run.attempt = int(self._pattern().match(p.name)[1]) if p is not None else last + 1
+                names = [f.name for f in files.checkpoints()] + (self._mirror.names() if self._mirror else [])
+                last = max((files.attempt_of(Path(n)) for n in names), default=-1)
+                run.attempt = files.attempt_of(p) if p is not None else last + 1
         if dist.active():
             p, run.attempt = dist.broadcast((None if p is None else str(p), run.attempt))
             p = None if p is None else Path(p)
-        self.attempt = run.attempt
+        self.attempt = files.attempt = run.attempt
+        stage.saved_in(self.folder, files.stem(), auto=True)
         run.resumed = True
         if p is None:
             return
@@ -257,14 +225,9 @@ class AutoCheckpoint(Callback):
 
     # -- events -----------------------------------------------------------------------------
     def before_fit(self):
-        self.last_time = time.monotonic()
-        self._preempted = False
-        self._old_handler = None
-        if self.preempt and threading.current_thread() is threading.main_thread():
-            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame):
-        self._preempted = True
+        self._last_time = time.monotonic()
+        if self.preempt:
+            self._preemption.install()
 
     def before_batch(self):
         if self.training:
@@ -273,185 +236,216 @@ class AutoCheckpoint(Callback):
     def after_batch(self):
         if not self.training or session_of(self.learn) is None:
             return
-        flags = 1 if self._preempted else 0
-        if self.every_seconds and dist.rank() == 0 and time.monotonic() - self.last_time >= self.every_seconds:
-            flags |= 2  # rank 0's clock decides for every rank
-        if self._failure is not None:
-            flags |= 4
+        flags = Agreed.PREEMPTED if self._preemption.requested else Agreed(0)
+        if self.every_seconds and dist.rank() == 0 and time.monotonic() - self._last_time >= self.every_seconds:
+            flags |= Agreed.TIME_DUE  # rank 0's clock decides for every rank
+        if self.saves.failure is not None:
+            flags |= Agreed.FAILED
+        flags |= sharded.writing(self.saves)
         if dist.active() and (self.preempt or self.every_seconds or self.background):
-            flags = dist.agree_any(flags)  # a SIGTERM seen by any rank: every rank saves at this batch
-        if flags & 4:
-            self._raise_failure()
-        if flags & 1:
+            flags = Agreed(dist.agree_any(int(flags)))
+        if flags & Agreed.FAILED:
+            self.saves.raise_failure()
+        sharded.after_agreement(self.saves, self.files, int(flags))  # every rank's file written: the manifest
+        if flags & Agreed.PREEMPTED:
             self._check_inflight(block=True)
             path = self._save(background=False)
             print(f"AutoCheckpoint: SIGTERM: saved {path.name}, exiting with status {PREEMPTED_EXIT_CODE}", flush=True)
-            self._restore_handler()
+            self._preemption.restore()
             raise SystemExit(PREEMPTED_EXIT_CODE)
         due = self.every_iters and self.learn.train_iter % self.every_iters == 0
-        if due or flags & 2 or getattr(self, "_retry", False):
+        if due or flags & Agreed.TIME_DUE or self.saves.retry:
             self._save()
 
     def after_epoch(self):
-        if self.every_epoch:
-            self._save()
+        if self.every_epoch:  # the fit's last: written now (its end waits for it anyway), so a full disk can retry it
+            self._save(background=False if self.epoch == self.n_epoch - 1 else None)
 
     def after_fit(self):
-        self._check_inflight(block=True)
-        self._pool.release()
-        self._restore_handler()
-        if dist.active() and dist.agree_any(4 if self._failure is not None else 0):
-            self._raise_failure()
+        self._check_inflight(block=True, last=True)
+        self.saves.pool.release()
+        self._preemption.restore()
+        if dist.active() and dist.agree_any(int(Agreed.FAILED) if self.saves.failure is not None else 0):
+            self.saves.raise_failure()
 
     def after_interrupted_fit(self):
         """The fit ended in an exception or an interrupt (fastai runs no `after_fit` then): finish the save
         in flight, put the SIGTERM handler back, and let the next training call resume from the newest
         checkpoint, as a rerun of the script after a crash would."""
+        sharded.abandon(self.saves)  # the other ranks may be gone: no manifest, no collective
         try:
             self._check_inflight(block=True)
         except Exception as e:
             warnings.warn(f"AutoCheckpoint: {e}", stacklevel=2)
-        self._restore_handler()
+        self._preemption.restore()
         if self._run is not None:
             self._run.resumed = False
 
-    def _fail(self, msg, exc):
-        "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn."
+    # -- saving -----------------------------------------------------------------------------
+    def _save(self, background=None):
+        "A checkpoint at the current position (`Saves.save`); its path, or None where there is no position."
+        self._last_time = time.monotonic()
+        s = session_of(self.learn)
+        if s is None or self.files is None or os.environ.get(check.ENV):
+            return None
+        return self.saves.save(self.learn, s, self.files, self.background if background is None else background)
+
+    def _check_inflight(self, block, last=False):
+        self.saves.check_inflight(self.files, block, last)
+
+
+class Saves:
+    """The saves of one AutoCheckpoint: synchronous, or in the background with at most one in flight
+    (copied at the batch boundary into the previous save's buffers, written by a thread with the GIL
+    released); retention after each commit; a full disk made room for once, and said; a failure raised
+    (under DDP on every rank at the next agreement) or, `on_error='warn'`, warned and printed."""
+
+    def __init__(self, on_error: str):
+        self.on_error = on_error
+        self.saved: list = []  # paths committed by this process, oldest first
+        self.inflight = None  # (BackgroundCommit, final path)
+        self.pool = SnapshotPool()  # background saves copy into the previous save's buffers
+        self.failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
+        self.retried: list = []  # what a full disk made a background save remove, until a save succeeds
+        self.retry = False  # a save is due again at the next batch (after a full disk)
+        self.direct = True  # written around the page cache (bench/overhead.py compares False: through it)
+        self.mirror = None  # a remote.Mirror each committed checkpoint is handed to
+
+    def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
+        return {**self.__dict__, "inflight": None, "failure": None, "pool": SnapshotPool(), "mirror": None}
+
+    def save(self, learn, s, files, background):
+        self.retry = False
+        pos = s.position()
+        if pos is None:
+            return None
+        path = files.name(s.stage.index, s.fit_index, *pos)
+        done = sharded.exists(path) or (self.inflight is not None and self.inflight[1] == path)
+        if dist.active():
+            done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
+        if done:
+            return path  # already saved here
+        self.check_inflight(files, block=True)  # at most one save in flight
+        if dist.sharded(learn.model):  # every rank writes its own file, a manifest last
+            return sharded.autosave(self, learn, files, path, background)
+        if not background:
+            return self._now(learn, files, path)
+        tree = checkpoint.build_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
+        if tree is None:
+            return path  # not rank 0: nothing to write
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            w = BackgroundCommit(
+                tree, path, self.pool, then=functools.partial(files.remove_stale, path.parent), direct=self.direct
+            )
+        except (OSError, TypeError, ValueError, RuntimeError) as e:
+            if not dist.active():
+                raise
+            self.fail(
+                f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints are intact.", e
+            )
+            return None
+        self.inflight = (w, path)
+        return path
+
+    def _now(self, learn, files, path):
+        "A synchronous save (under DDP every rank waits until rank 0 has committed); a full disk once makes room."
+        removed: list = []
+        for attempt in (0, 1):
+            try:
+                checkpoint.commit(lambda: checkpoint.build_tree(learn, with_opt=True, with_iter=True), path)
+                break
+            except OSError as e:
+                if e.errno == errno.ENOSPC and dist.rank() == 0:
+                    freed = files.free_space() if attempt == 0 else []
+                    if freed:
+                        _say(files.disk_full(path, e, freed, "now"))
+                        removed = freed
+                        continue
+                    self.fail(files.disk_still_full(path, e, removed), e)
+                    return None
+                self.fail(f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e)
+                return None
+        self.committed(path, files if dist.rank() == 0 else None)
+        return path
+
+    def check_inflight(self, files, block, last=False):
+        "The save in flight, if done (or `block`: once done). `last`: the fit has ended, no batch is left to save at."
+        if self.inflight is None:
+            return
+        if sharded.is_inflight(self.inflight):
+            return sharded.check_inflight(self, files, block, last)
+        w, path = self.inflight
+        if not block and not w.done:
+            return
+        self.inflight = None
+        try:
+            w.wait()
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                retried, self.retried = self.retried, []
+                freed = [] if retried or last else files.free_space()
+                if freed:
+                    self.retried, self.retry = freed, True  # the next training batch saves again, once
+                    _say(files.disk_full(path, e, freed, "at the next batch"))
+                    return
+                self.fail(files.disk_still_full(path, e, retried, fit_ended=last), e)
+                return
+            self.fail(f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact.", e)
+            return
+        self.retried = []
+        self.committed(path)  # its thread has applied the retention (`RunFolder.remove_stale`)
+        if w.then_error is not None:
+            warnings.warn(
+                f"AutoCheckpoint: saved {path}, then removing older checkpoints failed: {w.then_error!r}", stacklevel=3
+            )
+        for msg in w.then_result or ():
+            warnings.warn(msg, stacklevel=3)
+
+    def committed(self, path, files=None) -> None:
+        """`path` is committed: the mirror gets it and, `files` given (rank 0, not the writer thread), the
+        retention runs (only ever after a commit, and at autoresume: the newest `keep` of this run stay)."""
+        self.saved.append(path)
+        if self.mirror is not None:
+            self.mirror.committed(path)
+        if files is not None:
+            _retain(files)
+
+    def fail(self, msg, exc):
+        "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn and print."
         if self.on_error == "warn":
-            return warnings.warn(msg, stacklevel=2)
+            return _say(msg)
         err = OSError(getattr(exc, "errno", None), msg) if isinstance(exc, OSError) else CheckpointError(msg)
         if not dist.active():
             raise err from exc
-        self._failure = err
+        self.failure = err
 
-    def _raise_failure(self):
-        err, self._failure = self._failure, None
+    def raise_failure(self):
+        err, self.failure = self.failure, None
         if err is not None:
             raise err
         raise OSError(
             None, "AutoCheckpoint: rank 0's save failed (its error says why); the previous checkpoints are intact"
         )
 
-    def _restore_handler(self):
-        if self._old_handler is not None:
-            signal.signal(signal.SIGTERM, self._old_handler)
-            self._old_handler = None
 
-    # -- saving -----------------------------------------------------------------------------
-    def _free_space(self) -> int:
-        "After ENOSPC: remove this run's checkpoints but the newest valid one. Returns how many."
-        newest = self.latest_valid() if dist.rank() == 0 else None
-        n = 0
-        for old in self.checkpoints():
-            if old == newest:
-                continue
-            try:
-                old.unlink()
-                n += 1
-            except OSError:
-                pass
-        return n
+def _retain(files) -> None:
+    for msg in files.remove_stale():
+        warnings.warn(msg, stacklevel=3)
 
-    def _save(self, background=None):
-        background = self.background if background is None else background
-        learn = self.learn
-        s = session_of(learn)
-        self.last_time = time.monotonic()
-        self._retry = False
-        pos = s.position() if s is not None else None
-        if pos is None or self.run_id is None or os.environ.get(check.ENV):
-            return None
-        path = self._name(s.stage.index, s.fit_index, *pos)
-        done = path.exists() or (self._inflight is not None and self._inflight[1] == path)
-        if dist.active():
-            done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
-        if done:
-            return path  # already saved here
-        self._check_inflight(block=True)  # at most one save in flight
-        if not background:  # under DDP: every rank waits until rank 0 has committed
-            for attempt in (0, 1):
-                try:
-                    checkpoint.commit(lambda: checkpoint.build_tree(learn, with_opt=True, with_iter=True), path)
-                    break
-                except OSError as e:
-                    if attempt == 0 and e.errno == errno.ENOSPC and dist.rank() == 0 and self._free_space():
-                        continue
-                    self._fail(
-                        f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e
-                    )
-                    return None
-            if dist.rank() == 0:
-                self._committed(path)
-            return path
-        tree = checkpoint.build_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
-        if tree is None:
-            return path  # not rank 0: nothing to write
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            w = BackgroundCommit(tree, path, self._pool, then=functools.partial(self._remove_stale, path.parent))
-        except (OSError, TypeError, ValueError, RuntimeError) as e:
-            if not dist.active():
-                raise
-            self._fail(
-                f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints are intact.", e
-            )
-            return None
-        self._inflight = (w, path)
-        return path
 
-    def _check_inflight(self, block):
-        if self._inflight is None:
-            return
-        w, path = self._inflight
-        if not block and not w.done:
-            return
-        self._inflight = None
-        try:
-            w.wait()
-        except OSError as e:
-            if e.errno == errno.ENOSPC and not getattr(self, "_retried", False) and self._free_space():
-                self._retried = self._retry = True  # the next training batch saves again, once
-                warnings.warn(
-                    f"AutoCheckpoint: the disk was full saving {path}; older checkpoints of this run "
-                    "were removed and the next batch saves again",
-                    stacklevel=2,
-                )
-                return
-            self._fail(
-                f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact.", e
-            )
-            return
-        self._retried = False
-        self.saved.append(path)  # its thread has applied the retention (`_remove_stale`)
-        if w.then_error is not None:
-            msg = f"AutoCheckpoint: saved {path}, then removing older checkpoints failed: {w.then_error!r}"
-            warnings.warn(msg, stacklevel=2)
-        for msg in w.then_result or ():
-            warnings.warn(msg, stacklevel=2)
+def _say(msg):
+    "What the operator must hear even where warnings are filtered out: a warning and a printed line."
+    warnings.warn(msg, stacklevel=3)
+    print(msg, flush=True)
 
-    def _committed(self, path):
-        "Retention, only ever after a commit (and at autoresume): the newest `keep` of this run stay."
-        self.saved.append(path)
-        self._retain()
 
-    def _retain(self):
-        for msg in self._remove_stale():
-            warnings.warn(msg, stacklevel=2)
+def _arm(learn, stage) -> None:
+    "As a stage begins: every AutoCheckpoint of the learner or of the call identifies its run and autoresumes."
+    for c in list(learn.cbs) + list(stage.extra_cbs):
+        if isinstance(c, AutoCheckpoint):
+            c.learn = learn
+            c.arm_resume(stage)
 
-    def _remove_stale(self, folder: Path | None = None) -> list:
-        """Removes this run's checkpoints in `folder` (default: `self.folder`) but the newest `keep`;
-        returns what could not be removed, as warnings to give. A background save runs it in its writer
-        thread after its commit, with the folder it wrote to: unlinking a big file costs tens of
-        milliseconds, which training need not wait for."""
-        folder = self.folder if folder is None else folder
-        try:
-            stale = self._files(folder)[: -self.keep]
-        except OSError as e:
-            return [f"AutoCheckpoint: could not list {folder} to remove old checkpoints: {e}"]
-        failed = []
-        for old in stale:
-            try:
-                old.unlink()
-            except OSError as e:
-                failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
-        return failed
+
+STAGE_BEGIN_HOOKS.append(_arm)

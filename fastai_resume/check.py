@@ -28,11 +28,13 @@ import numpy as np
 import torch
 
 from . import _core
+from .script import DISARM_HOOKS, STAGE_BEGIN_HOOKS, script
 
 __all__ = ["check", "CheckResult", "ENV", "probe_for"]
 
 ENV = "FASTAI_RESUME_CHECK"  # "record", "kill:S,E,I" or "resume"; with ENV_TRACE, ENV_BATCHES
 ENV_TRACE, ENV_BATCHES = "FASTAI_RESUME_CHECK_TRACE", "FASTAI_RESUME_CHECK_BATCHES"
+ENV_DIR = "FASTAI_RESUME_CHECK_DIR"  # where the runs keep their stages' end states (removed afterwards)
 CKPT = "fastai_resume_check"
 
 
@@ -68,14 +70,51 @@ def _rng_digest() -> int:
     )
 
 
+def _append(rec: dict) -> None:
+    if os.environ.get(ENV) and os.environ.get(ENV_TRACE):
+        with open(os.environ[ENV_TRACE], "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def note_disarm(why: str) -> None:
+    "Under `fastai-resume check`: a cancelled resume goes into the trace (the likely cause of what follows)."
+    _append({"disarm": why})
+
+
+def _stage_begins(learn, stage) -> None:
+    """Under `fastai-resume check`: the resumed run loads the check's checkpoint at its first stage, and
+    every run keeps each stage's end state in the check's own folder (removed with it)."""
+    if not os.environ.get(ENV):
+        return
+    if os.environ[ENV] == "resume" and stage.index == 0 and script(learn).armed is None:
+        learn.load(CKPT)
+        armed = script(learn).armed
+        if armed is not None:
+            armed.path.unlink()
+    if os.environ.get(ENV_DIR):
+        stage.saved_in(Path(os.environ[ENV_DIR]), CKPT, auto=True)
+
+
+DISARM_HOOKS.append(note_disarm)
+STAGE_BEGIN_HOOKS.append(_stage_begins)
+
+
+def digest(v) -> int:
+    "A digest of a value tree (tensors by their bytes), the same in every process."
+    return _crc(v)
+
+
+def note_between(at: int, op: str, file, digest) -> None:
+    "Under `fastai-resume check`: a between-stage call and the digest of what it wrote, read or returned."
+    _append({"between": [at, op, file, digest]})
+
+
 def probe_for(learn):
     "The check's probe callback for a fit of `learn`, if this process runs under `fastai-resume check`."
     mode = os.environ.get(ENV)
     if not mode:
         return None
     from fastai.callback.core import Callback, CancelTrainException, CancelValidException
-
-    from .session import script
 
     class CheckProbe(Callback):
         "Cuts epochs, records digests per training batch, and saves and dies where told."
@@ -141,17 +180,47 @@ _CAUSES = {
 }
 
 
-def _trace(path) -> dict:
-    out = {}
+def _trace(path) -> tuple:
+    "The batches' records by key, the between-stage calls in order, and the cancelled resumes."
+    out, between, disarms = {}, [], []
     if Path(path).exists():
         for line in Path(path).read_text().splitlines():
             r = json.loads(line)
-            out[tuple(r["key"])] = r
-    return out
+            if "between" in r:
+                between.append(r["between"])
+            elif "disarm" in r:
+                disarms.append(r["disarm"])
+            else:
+                out[tuple(r["key"])] = r
+    return out, between, disarms
+
+
+def _where(at: int, op: str) -> str:
+    if op == "stage":
+        return f"at the end of stage {at}"
+    return f"after stage {at - 1}" if at else "before stage 0"
+
+
+def _first_between_difference(ref: list, res: list) -> str | None:
+    "What the first between-stage call (save, load, validate, lr_find, export, a stage's numbers) that differs is."
+    for want, got in zip(ref, res):
+        if want != got:
+            at, op, file, _ = want
+            return (
+                f"between stages ({_where(at, op)}): {op}{' of ' + file if file else ''} differs from the "
+                f"uninterrupted run's ({got[1]}{' of ' + got[2] if got[2] else ''} in the resumed run): what the "
+                "script reads or writes between its stages is not what the uninterrupted run had there"
+            )
+    if len(ref) != len(res):
+        return (
+            f"between stages: the uninterrupted run made {len(ref)} calls (save, load, validate, lr_find, export, "
+            f"stage ends), the resumed run {len(res)}"
+        )
+    return None
 
 
 def _run(cmd, cwd, env, mode, trace, batches):
-    e = dict(env, **{ENV: mode, ENV_TRACE: str(trace), ENV_BATCHES: str(batches)})
+    e = dict(env, **{ENV: mode, ENV_TRACE: str(trace), ENV_BATCHES: str(batches), ENV_DIR: str(Path(trace).parent)})
     return subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True)
 
 
@@ -172,7 +241,7 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
                 f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}",
                 None,
             )
-        ref = _trace(ref_t)
+        ref, ref_between, _ = _trace(ref_t)
         if not ref:
             return CheckResult(False, "the script trained no batch under fastai (no fit was seen)", None)
         if kill_at is None:
@@ -192,7 +261,14 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
                 kill_at,
             )
         p = _run(cmd, cwd, env, "resume", res_t, batches)
-        res = _trace(res_t)
+        res, res_between, disarms = _trace(res_t)
+        if disarms:
+            return CheckResult(
+                False,
+                f"the resume was cancelled: {disarms[0]}. A load between stages that the uninterrupted run did not "
+                "make at that point of the script loads other weights; the rerun then trains from them.",
+                kill_at,
+            )
         if p.returncode != 0:
             return CheckResult(
                 False,
@@ -218,6 +294,9 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
                         f"batch {key[3]}: {field}. Likely cause: {_CAUSES[field]}.",
                         kill_at,
                     )
+        bad = _first_between_difference(ref_between, res_between)
+        if bad:
+            return CheckResult(False, bad, kill_at)
         extra = sorted(set(res) - set(ref))
         if extra:
             return CheckResult(

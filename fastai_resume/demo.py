@@ -23,16 +23,18 @@ import time
 
 def train(folder: str, slow_ms: float) -> None:
     "The user's script: the only fastai_resume lines are the import and the callback."
-    import torch
-    from fastai.callback.core import Callback
-    from fastai.data.core import DataLoaders
-    from fastai.data.load import DataLoader
-    from fastai.learner import Learner
-    from fastai.losses import CrossEntropyLossFlat
-    from fastai.metrics import accuracy
-    from fastai.torch_core import set_seed
+    from fastai.vision.all import (  # what `from fastai.vision.all import *` gives a user's script
+        Callback,
+        CrossEntropyLossFlat,
+        DataLoader,
+        DataLoaders,
+        Learner,
+        accuracy,
+        nn,
+        set_seed,
+        torch,
+    )
     from sklearn.datasets import load_digits
-    from torch import nn
 
     import fastai_resume
 

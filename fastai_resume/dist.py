@@ -8,8 +8,10 @@ others. A decision that could differ between ranks (a time-based checkpoint, a S
 rank first, a failed background save) is agreed with one small all-reduce, so that every rank
 saves, or stops, at the same batch.
 
-Also makes fastai's `DistributedDL` work on the CPU (gloo): fastai broadcasts the epoch's index
-list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU here.
+A model sharded with FSDP2 (`sharded`: its parameters are DTensors) is saved the other way: every
+rank writes its own file and a manifest is committed last (`fastai_resume.sharded`); the ranks agree
+on the outcome with `all_gather_ints`, a few integers each.
+
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import sys
 import torch
 import torch.distributed as D
 
+from .fastai_classes import is_a
+
 __all__ = [
     "active",
     "rank",
@@ -26,7 +30,8 @@ __all__ = [
     "gather",
     "broadcast",
     "agree_any",
-    "patch_distributed_dl",
+    "all_gather_ints",
+    "sharded",
     "unwrap_dl",
     "is_distributed_dl",
 ]
@@ -87,10 +92,31 @@ def agree_any(flags: int) -> int:
     return sum(int(b) << i for i, b in enumerate(t.tolist()))
 
 
+def all_gather_ints(values: list) -> list:
+    "Every rank's list of int64 `values` (the same length on each), in rank order. Collective."
+    if not active():
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(D.get_world_size())]
+    D.all_gather(out, t, group=_group())
+    return [o.tolist() for o in out]
+
+
+def sharded(model) -> bool:
+    """Is `model` sharded across ranks: FSDP2's `fully_shard` made a module of it an `FSDPModule` (its
+    parameters are DTensors, except while a forward holds them whole), or a parameter is a DTensor? Neither
+    can exist before torch imports them: without them nothing is imported here."""
+    if model is None:
+        return False
+    fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+        return True
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
+
+
 def is_distributed_dl(dl) -> bool:
-    "Is `dl` fastai's `DistributedDL` (or a subclass)? Without fastai.distributed loaded, it cannot be."
-    mod = sys.modules.get("fastai.distributed")
-    return mod is not None and isinstance(dl, mod.DistributedDL)
+    "Is `dl` fastai's `DistributedDL` (or a subclass)?"
+    return is_a(dl, "fastai.distributed", "DistributedDL")
 
 
 def unwrap_dl(dl):
@@ -98,21 +124,3 @@ def unwrap_dl(dl):
     while is_distributed_dl(dl) and hasattr(dl, "dl"):
         dl = dl.dl
     return dl
-
-
-def _broadcast_idxs(self, t, src):
-    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL."
-    dev = torch.device("cuda", torch.cuda.current_device()) if D.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor(t, dtype=torch.long, device=dev)
-    D.broadcast(t, src)
-    return t.cpu().tolist()
-
-
-def patch_distributed_dl() -> None:
-    "Called at a fit's or validation's start under a process group: fix fastai's CUDA-only broadcast."
-    mod = sys.modules.get("fastai.distributed")
-    if mod is None:
-        return
-    ddl = mod.DistributedDL
-    if getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs":
-        ddl._broadcast = _broadcast_idxs

@@ -6,6 +6,7 @@ plain trees (`state`), never in bytes.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import Any, Union
@@ -16,7 +17,7 @@ import torch
 from . import _core
 from ._core import CheckpointError
 
-__all__ = ["save", "load", "CheckpointError", "is_checkpoint", "EXT", "info"]
+__all__ = ["save", "load", "CheckpointError", "DiskFullError", "is_checkpoint", "EXT", "info"]
 
 EXT = ".frk"  # the file extension of this format (a plain torch.load user never meets it)
 
@@ -188,15 +189,49 @@ def encode(tree: Any, crcs: dict | None = None) -> _core.Writer:
     return w
 
 
+class DiskFullError(OSError):
+    """A save found its file system full (ENOSPC): nothing was written and the file previously at
+    the path is intact. `needed`: the checkpoint's size in bytes; `free`: the bytes free in
+    `folder` once the save had failed (None if that could not be read)."""
+
+    def __init__(self, e: OSError, path: PathLike, needed: int):
+        self.folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+        self.needed, self.free = needed, free_bytes(self.folder)
+        free = "?" if self.free is None else f"{self.free:,}"
+        super().__init__(
+            errno.ENOSPC, f"{e.strerror or e}; the checkpoint needs {needed:,} bytes, {free} are free in {self.folder}"
+        )
+
+
+def free_bytes(folder: PathLike) -> int | None:
+    "The bytes an unprivileged writer may still use on `folder`'s file system (None if unknown)."
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def commit(w: _core.Writer, path: PathLike, fsync: bool = True, direct: bool = True) -> int:
+    "`w.commit(...)`; a full disk raises `DiskFullError`, which says how much room the checkpoint needs."
+    needed = w.size
+    try:
+        return w.commit(os.fspath(path), fsync=fsync, direct=direct)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise DiskFullError(e, path, needed) from None
+
+
 def save(tree: Any, path: PathLike, fsync: bool = True) -> int:
     """Save `tree` to `path` atomically and durably; returns the bytes written. A synced save is
     written around the page cache (O_DIRECT) where the file system allows it: the checkpoint does
     not push training's memory out of the cache (`Writer.commit`).
 
-    On any failure (an unstorable value, a full disk) the file previously at `path` is untouched.
+    On any failure (an unstorable value, a full disk) the file previously at `path` is untouched;
+    a full disk raises `DiskFullError` (an OSError, errno ENOSPC) that says how much room it needs.
     """
-    w = encode(tree)
-    return w.commit(os.fspath(path), fsync=fsync)
+    return commit(encode(tree), path, fsync=fsync)
 
 
 def _decoder(mapping, reader):
@@ -222,9 +257,7 @@ def _decoder(mapping, reader):
                 ).untyped_storage()
             t = torch.empty(0, dtype=dtype).set_(st, off, sizes, strides)
         else:
-            dtype = NUMPY_DTYPE.get(code)
-            if dtype is None:
-                raise CheckpointError(f"array {i} has dtype code {code}, not a NumPy dtype")
+            dtype = NUMPY_DTYPE[code]  # (the reader refuses an array of a dtype NumPy lacks)
             if n == 0 or 0 in sizes:
                 t = np.empty(sizes, dtype=dtype)
             else:
@@ -281,16 +314,11 @@ def info(path: PathLike, verify: bool = True) -> dict:
     m = _core.Mapping(os.fspath(path), verify=verify)  # checked as load checks it, naming the file
     try:
         r = _core.Reader(m, verify=False)  # (the structure again, the only check without verify)
+        tensors = r.tensors()  # the table once: info must stay linear in the tensor count
+        tree = r.tree(lambda i: _TensorRef(i, tensors[i]))
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
-    tensors = r.tensors()  # the table once: info must stay linear in the tensor count
-    return {
-        "version": r.version,
-        "size": m.size,
-        "blobs": r.blobs(),
-        "tensors": tensors,
-        "tree": r.tree(lambda i: _TensorRef(i, tensors[i])),
-    }
+    return {"version": r.version, "size": m.size, "blobs": r.blobs(), "tensors": tensors, "tree": tree}
 
 
 class _TensorRef:
@@ -305,3 +333,25 @@ class _TensorRef:
 
     def __repr__(self):
         return f"<tensor {self.dtype} {list(self.shape)}>"
+
+    def stand_in(self) -> Any:
+        """What `load` would build here, with its type, dtype and shape but no data: a tensor on torch's
+        `meta` device, or a NumPy array broadcast from one element. (The reader has checked that each
+        shape fits its blob, so neither can be huge.)"""
+        if self.kind == _TORCH:
+            dtype = TORCH_DTYPE.get(self.code)
+            if dtype is None:
+                raise CheckpointError(f"tensor {self.index} has dtype code {self.code}, which this torch lacks")
+            return torch.empty(self.shape, dtype=dtype, device="meta")
+        return np.broadcast_to(np.zeros((), dtype=NUMPY_DTYPE[self.code]), self.shape)
+
+
+def stand_ins(tree: Any) -> Any:
+    "An `info()` tree (or part of one) with each tensor entry replaced by its `stand_in()`: what validation reads."
+    if isinstance(tree, _TensorRef):
+        return tree.stand_in()
+    if isinstance(tree, dict):
+        return {k: stand_ins(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(stand_ins(v) for v in tree)
+    return tree

@@ -22,12 +22,12 @@ transforms of batch j do not depend on which worker made it or on how many batch
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
 from .dist import is_distributed_dl, unwrap_dl
+from .fastai_classes import is_a
 
 __all__ = [
     "call_hook_first",
@@ -46,14 +46,8 @@ class StreamNotResumable(ValueError):
     "A stream without `state_dict`/`load_state_dict` asked to resume mid-epoch."
 
 
-def _fastai_dl_class():
-    mod = sys.modules.get("fastai.data.load")
-    return None if mod is None else mod.DataLoader
-
-
 def is_fastai(dl) -> bool:
-    cls = _fastai_dl_class()
-    return cls is not None and isinstance(dl, cls)
+    return is_a(dl, "fastai.data.load", "DataLoader")
 
 
 def is_torch(dl) -> bool:
@@ -210,6 +204,7 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
     discards k batches, then calls `on_skipped` itself."""
     cut = k
     how = "index list" if is_fastai(dl) else "batch sampler"
+    sized = is_fastai(dl) and unwrap_dl(dl).n is not None  # a fastai stream of a fixed length per epoch (`n=`)
     if is_stream(dl):
         if not has_state(dl):
             if not fast_forward:
@@ -223,7 +218,9 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
                     "read and discard the skipped batches; or fit with start_iter=0 to restart the epoch."
                 )
             return "fast-forward"
-        cut, how = 0, "stream state"
+        # the stream continues from its loaded state: nothing of it is re-read; an epoch of `n` items
+        # still has only its remaining batches to run
+        cut, how = (k, "stream state, remaining batches") if sized else (0, "stream state")
     if is_fastai(dl):
         get_idxs = dl.get_idxs
         bs = dl.bs or 1
@@ -234,7 +231,10 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
                 dl.i = cut * bs  # its count of this rank's items
             idxs = get_idxs()
             if not isinstance(idxs, list):
-                return _HookedIter(idxs, on_skipped)  # a stream of unknown length
+                if not dl.indexed and dl.n is None:
+                    return _HookedIter(idxs, on_skipped)  # a stream of unknown length
+                # an epoch's order as an iterator (SortedDL's shuffle_fn returns one): the same order, cut
+                idxs = list(idxs)
             # (`whole`: the epoch's data was all read, the partial batch drop_last discards too, before the save)
             return _SkippedIdxs([] if whole else idxs[cut * bs :] if cut else idxs, on_skipped)
 
@@ -262,7 +262,7 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
 def call_hook_first(f, hook, put_back):
     """`f`, callable once more with `hook()` run before it (then `put_back(f)`). A fastai `Pipeline`
     stays a `Pipeline` sharing its attributes (the loader's `before_iter` sets its `split_idx`)."""
-    if type(f).__name__ != "Pipeline" or not hasattr(f, "__dict__"):
+    if not is_a(f, "fasttransform.transform", "Pipeline") and not is_a(f, "fastcore.transform", "Pipeline"):
 
         def first(*args, **kwargs):
             put_back(f)
@@ -280,6 +280,38 @@ def call_hook_first(f, hook, put_back):
     g = object.__new__(First)
     g.__dict__ = f.__dict__  # one set of attributes for both
     return g
+
+
+def warm(dls) -> None:
+    "Compute what fastai computes lazily with the RNG on first use (TfmdDL's `_one_pass`), before any restore."
+    for dl in dls.loaders:
+        try:
+            getattr(dl, "n_inp", None)
+        except Exception:
+            pass
+
+
+def seed_workers(dls) -> None:
+    "At a resumable fit's start: fastai loaders with worker processes seed them per batch (`BatchSeeder`)."
+    for dl in dls.loaders:
+        if is_fastai(dl) and dl.num_workers > 0 and not isinstance(dl.__dict__.get("do_item"), BatchSeeder):
+            dl.do_item = BatchSeeder(type(dl).do_item.__get__(dl), dl.bs or 1, 0)
+
+
+def seed_epoch(dls, first_iter) -> None:
+    """Before the training loop (`first_iter`: its first batch) or validation (None): the per-batch seeds
+    count from there, for the training loader, and from 0 for the others."""
+    for dl in dls.loaders:
+        do_item = dl.__dict__.get("do_item") if is_fastai(dl) else None
+        if isinstance(do_item, BatchSeeder) and (first_iter is not None or dl is not dls.train):
+            do_item.first, do_item.n = (first_iter if dl is dls.train and first_iter is not None else 0), 0
+
+
+def before_first_batch(dl, hook) -> None:
+    """With worker processes the skipped part is behind the main process once the loader hands over its
+    first batch: `hook()` (the saved RNG back) before that batch's `after_batch` transforms run."""
+    if is_fastai(dl):
+        dl.after_batch = call_hook_first(dl.after_batch, hook, lambda orig: setattr(dl, "after_batch", orig))
 
 
 class BatchSeeder:

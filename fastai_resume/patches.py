@@ -19,18 +19,26 @@ source-hash test.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
+from typing import Any
 
+import torch
+import torch.distributed as D
 from fastai.callback.core import CancelEpochException, event
-from fastai.learner import Learner, load_model, save_model
+from fastai.learner import Learner, Recorder, load_model, save_model
 from fastai.torch_core import rank_distrib
 from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import _core, check, checkpoint, dist, io, loaders, paths, state
+from . import between, checkpoint, dist, io, paths, remote, sharded, state
 from ._hooks import imported
+from .compat import check_fastai_version
+from .fastai_classes import fastai_class, is_a
 from .io import CheckpointError
-from .session import Armed, FitPlan, ResumeSession, script, session_of, stage_call
+from .script import Armed, script, session_of
+from .session import ResumeSession, run_fit
+from .stages import stage_call
 
 __all__ = ["apply"]
 
@@ -38,94 +46,7 @@ _WRAPPERS = ("fit_one_cycle", "fit_flat_cos", "fit_sgdr", "fine_tune")
 
 
 def _is_lr_find(cbs) -> bool:
-    return any(type(c).__name__ == "LRFinder" for c in L(cbs))
-
-
-def _check_same_fit(learn, pos, n_epoch):
-    "A resumed fit must be the fit that was saved, or the result silently changes."
-    ws_saved, ws = pos["world_size"], dist.world()
-    if ws_saved != ws:
-        raise ValueError(
-            f"this checkpoint was saved by a fit of {ws_saved} process(es) and this fit runs {ws}: each rank's "
-            f"position, RNG state and share of the data belong to {ws_saved}. Launch {ws_saved} processes to "
-            f"resume exactly; or pass start_epoch (and start_iter) to continue anyway from the checkpoint's "
-            f"model and optimizer, re-sharded for {ws} (not the uninterrupted run's result); or resume=False "
-            "to start over."
-        )
-    diffs = []
-    if pos["n_epoch"] != n_epoch:
-        diffs.append(f"n_epoch {pos['n_epoch']} -> {n_epoch}")
-    n_all, now = pos["n_iter_all"], len(dist.unwrap_dl(learn.dls.train))
-    if n_all != now:
-        diffs.append(f"batches per epoch {n_all} -> {now}")
-    bs = loaders.batch_size(learn.dls.train)
-    if pos["bs"] != bs:
-        diffs.append(f"batch size {pos['bs']} -> {bs}")
-    if diffs:
-        raise ValueError(
-            "this fit differs from the one that was saved (" + ", ".join(diffs) + "), so resuming "
-            "it would not give the result of the uninterrupted run. Fit as before, or pass "
-            "start_epoch/start_iter to resume anyway, or resume=False to start over."
-        )
-
-
-def _run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_iter, resume):
-    "One fit of stage `st`: skipped, resumed or run, with its `ResumeSession`."
-    fit_index = st.fits
-    st.fits += 1
-    if not start_epoch:
-        start_epoch = st.start_epoch
-    if start_iter is None:
-        start_iter = st.start_iter
-    resume = resume and st.resume
-    explicit = bool(start_epoch) or start_iter is not None
-    if not resume:
-        sc.disarm("resume=False")
-    a = sc.armed
-    if a is not None and not explicit:
-        if st.skip_all:
-            return  # the whole stage is done (Stage.begin said so)
-        if fit_index < a.position["fit_index"]:
-            print(f"fastai_resume: skipping fit {fit_index} of stage {st.index} (finished before the save)")
-            return
-    saved = a.train if a is not None else None
-    pos = saved["position"] if saved else None
-    target = _core.skip_plan(
-        saved is not None,
-        pos["epoch"] if saved else 0,
-        pos["iter"] if saved else 0,
-        start_epoch if start_epoch else -1,
-        -1 if start_iter is None else start_iter,
-    )
-    if saved is not None and not explicit:
-        _check_same_fit(learn, pos, n_epoch)  # raises: still armed
-    sc.armed = None  # consumed by this fit
-    if explicit and saved is not None and (target != (pos["epoch"], pos["iter"]) or pos["world_size"] != dist.world()):
-        saved = None  # another position or sharding: the model and optimizer, not the saved state
-    s = ResumeSession(
-        FitPlan(
-            st,
-            fit_index,
-            saved,
-            target,
-            a.path if a is not None else None,
-            a.opt if saved is not None else None,
-            a.fast_forward if a is not None else False,
-        )
-    )
-    sc.session = s
-    sc.fit_depth += 1
-    try:
-        probe = check.probe_for(learn)  # only under `fastai-resume check`
-        learn._orig_fit(n_epoch, lr=lr, wd=wd, cbs=L(s) + L(cbs) + L(probe), reset_opt=reset_opt, start_epoch=0)
-    except BaseException:
-        from .session import Interrupted
-
-        sc.interrupted = Interrupted(st.index, getattr(learn, "epoch", 0), getattr(learn, "iter", 0))
-        raise
-    finally:
-        sc.fit_depth -= 1
-        sc.session = None
+    return any(is_a(c, "fastai.callback.schedule", "LRFinder") for c in L(cbs))
 
 
 # ---- the patches --------------------------------------------------------------------------------
@@ -135,13 +56,13 @@ def _run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_
 def _call_one(self: Learner, event_name):
     "fastai's `_call_one`; inside a resumable fit, through the session (so a save can complete the event)."
     if event_name in ("before_fit", "before_validate") and dist.active():
-        dist.patch_distributed_dl()
+        patch_distributed_dl()
     s = session_of(self)
     if s is None:
         return self._orig__call_one(event_name)
     if not hasattr(event, event_name):
         raise Exception(f"missing {event_name}")
-    s.run_event(self, event_name)
+    s.frames.run(self, event_name)
 
 
 @patch
@@ -189,95 +110,129 @@ def save(self: Learner, file, with_iter=False, **kwargs):
     with_opt = kwargs.pop("with_opt", True)
     if with_iter and not with_opt:
         raise ValueError("save(with_iter=True) needs the optimizer state: drop with_opt=False")
+    if not with_iter and paths.is_path(file) and dist.sharded(self.model):  # fastai's would pickle rank 0's part
+        return sharded.save_model(self, file, with_opt)
     if not with_iter:
-        return self._orig_save(file, with_opt=with_opt, **kwargs)
+        if not paths.is_path(file):
+            return self._orig_save(file, with_opt=with_opt, **kwargs)
+        target = paths.resolve(self, file)
+        target = target.with_name(target.name + ".pth")  # fastai's join_path_file appends it
+        return between.write_or_keep(
+            self,
+            "save",
+            target,
+            lambda: self._orig_save(file, with_opt=with_opt, **kwargs),
+            f"learn.save({str(file)!r})",
+        )
     if not paths.is_path(file):
         raise TypeError("save(with_iter=True) writes a file atomically: give a name or a path, not a buffer")
+    _SAVES_WITH_ITER[0] += 1
+    path = paths.with_ext(paths.resolve(self, file))
+    sc = script(self)
+    if sc.stage is not None and sc.session is not None:
+        sc.stage.saved_in(path.parent, path.name[: -len(io.EXT)])
     if rank_distrib() and not dist.active():
         return  # only rank 0 writes, as fastai does
-    path = paths.with_ext(paths.resolve(self, file))
-    checkpoint.commit(lambda: checkpoint.build_tree(self, with_opt, with_iter), path)  # under DDP: collective
+    build = lambda: checkpoint.build_tree(self, with_opt, with_iter)  # noqa: E731
+    sharded.commit_checkpoint(build, path, self.model)  # under DDP, and a sharded model: collective
     return path
 
 
-def _load_tree(learn, path, tree, device, with_opt, strict):
-    "Model and optimizer from a validated tree; nothing is changed unless everything fits."
-    from fastai.torch_core import get_model, to_device
-
-    model = get_model(learn.model)
-    bad = checkpoint.model_mismatch(model.state_dict(), tree["model"], strict)
-    if bad:
-        raise CheckpointError(f"{path} does not fit this learner's model: {bad}")
-    bad = strict and checkpoint.grads_mismatch(tree.get("train") or {}, len(list(learn.model.parameters())))
-    if bad:  # (strict=False: checked when a resume restores them)
-        raise CheckpointError(f"{path}: malformed training state: {bad}")
-    prev_opt = None
-    if with_opt and "opt" in tree:
-        bad = checkpoint.opt_mismatch(learn.opt, tree["opt"])
-        if bad:
-            raise CheckpointError(f"{path}: its optimizer state does not fit this learner's optimizer: {bad}")
-        opt_sd = to_device(tree["opt"], device) if device is not None and str(device) != "cpu" else tree["opt"]
-        prev_opt = learn.opt.state_dict()
-        try:
-            learn.opt.load_state_dict(opt_sd)
-        except (AssertionError, KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:
-            learn.opt.load_state_dict(prev_opt)
-            raise CheckpointError(
-                f"{path}: its optimizer state does not fit this learner's optimizer "
-                f"(different parameter groups?): {e!r}"
-            ) from None
-    try:
-        model.load_state_dict(tree["model"], strict=strict)
-    except RuntimeError as e:  # checked above; kept for what torch checks beyond keys, dtypes and shapes
-        if prev_opt is not None:
-            learn.opt.load_state_dict(prev_opt)
-        raise CheckpointError(f"{path} does not fit this learner's model: {e}") from None
+_SAVES_WITH_ITER = [0]  # resumable saves made by `Learner.save`: a subclass's `save` that drops `with_iter` is caught
 
 
-@patch
-@delegates(load_model)
-def load(self: Learner, file, device=None, resume=True, fast_forward=False, **kwargs):
-    """Load model and optimizer state (if `with_opt`) from `self.path/self.model_dir/file` (or a buffer).
-    A fastai_resume checkpoint saved mid-fit also arms the resume: the next training call of the same
-    stage continues at the saved position (`resume=False` loads the weights only). The format is told
-    by the file's magic bytes, never its name; vanilla fastai files load as fastai loads them.
-    `fast_forward=True`: a stream without state_dict/load_state_dict is resumed by reading and
-    discarding the batches trained before the save."""
+def _found_checkpoint(learn, file):
+    "The file `learn.load(file)` reads, and whether it is ours: `(path or None, is ours)`."
+    if remote.is_url(file):  # s3://..., file://...: downloaded into the model folder first (`remote.fetch`)
+        path = remote.fetch(learn, file)
+        return path, io.is_checkpoint(path)
     if not paths.is_path(file):
-        return self._orig_load(file, device=device, **kwargs)  # a buffer: fastai's
-    sc = script(self)
-    inside = sc.fit_depth > 0  # a callback's load during a fit (LRFinder's _tmp, SaveModelCallback's best)
-    cands = paths.load_candidates(self, file)
+        return None, False
+    cands = paths.load_candidates(learn, file)
     path = cands[0] if cands else None
-    if path is None or not io.is_checkpoint(path):
-        if not inside and sc.armed is not None:
-            sc.disarm(f"learn.load({str(file)!r}) loads another file")
-        if path is None:
-            return self._orig_load(file, device=device, **kwargs)  # fastai's own error
-        with open(path, "rb") as f:  # the file found, whatever its name (fastai would append '.pth')
-            return self._orig_load(f, device=device, **kwargs)
-    with_opt, strict = kwargs.get("with_opt", True), kwargs.get("strict", True)
-    if device is None and hasattr(self.dls, "device"):
-        device = self.dls.device
-    if self.opt is None:
-        self.create_opt()
-    tree = checkpoint.read(path)
-    _load_tree(self, path, tree, device, with_opt, strict)
+    return path, path is not None and (path.is_dir() or io.is_checkpoint(path))  # a folder: a sharded checkpoint
+
+
+def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict):
+    "Our checkpoint at `path` into `learn` (validated first), arming the resume of one saved mid-fit."
+    sc = script(learn)
+    inside = sc.fit_depth > 0  # a callback's load during a fit (LRFinder's _tmp, SaveModelCallback's best)
+    if device is None and hasattr(learn.dls, "device"):
+        device = learn.dls.device
+    if learn.opt is None:
+        learn.create_opt()
+    tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
+    checkpoint.load_tree(learn, path, tree, device, with_opt, strict)
     train = tree.get("train")
     if inside:
-        return self
+        return learn
     if resume and train is not None:
         if sc.armed is not None and sc.armed.path != path:
             print(f"fastai_resume: {path} replaces the armed {sc.armed.path}")
         # the optimizer now uses the tree's tensors in place: the resume keeps its own copy (lr_find, or any
         # training before the resumed stage, must not change what the resume restores)
-        sc.armed = Armed(train, path, checkpoint.cloned(tree.get("opt")), fast_forward)
-    elif sc.armed is not None:
-        sc.disarm(
-            f"learn.load({str(file)!r}) loads "
-            + ("without resuming" if train is not None else "a file saved outside a fit")
+        ahead = train["position"]["stage"] > len(sc.signatures)  # stages to pass first: their ends replace the weights
+        sc.armed = Armed(
+            train, path, checkpoint.cloned(tree.get("opt")), fast_forward, tree["model"] if ahead else None
         )
-    return self
+    else:
+        _between_load(
+            learn, file, path, "loads " + ("without resuming" if train is not None else "a file saved outside a fit")
+        )
+    return learn
+
+
+def _between_load(learn, file, path, why, op="load") -> None:
+    """A load between stages of a file that is not a checkpoint to resume: part of the script when the
+    uninterrupted run made it here too (`between.loaded`), else a new intent that cancels an armed resume."""
+    sc = script(learn)
+    if sc.fit_depth:
+        return
+    same = path is not None and between.loaded(learn, op, path)
+    if sc.armed is not None and not same:
+        sc.disarm(f"learn.{op}({str(file)!r}) {why}")
+
+
+def _load_theirs(learn, file, path, load):
+    "A file that is not ours: fastai's (or a subclass's) own `load`, given the file found whatever its name."
+    _between_load(learn, file, path, "loads another file")
+    if path is None:
+        return load(file)  # fastai's own error, or a buffer
+    with open(path, "rb") as f:  # fastai would append '.pth' to a name that has another extension
+        return load(f)
+
+
+@patch
+@delegates(load_model)
+def load(self: Learner, file, device=None, resume=True, fast_forward=False, **kwargs):
+    """Load model and optimizer state (if `with_opt`) from `self.path/self.model_dir/file` (or a buffer, or a
+    URL such as `s3://bucket/run/NAME.frk`, downloaded into the model folder first).
+    A fastai_resume checkpoint saved mid-fit also arms the resume: the next training call of the same
+    stage continues at the saved position (`resume=False` loads the weights only). The format is told
+    by the file's magic bytes, never its name; vanilla fastai files load as fastai loads them.
+    `fast_forward=True`: a stream without state_dict/load_state_dict is resumed by reading and
+    discarding the batches trained before the save."""
+    path, ours = _found_checkpoint(self, file)
+    if not ours:
+        return _load_theirs(self, file, path, lambda f: self._orig_load(f, device=device, **kwargs))
+    resume, fast_forward = _LOAD_DEFAULTS.get((resume, fast_forward))
+    return _load_ours(
+        self, path, file, device, resume, fast_forward, kwargs.get("with_opt", True), kwargs.get("strict", True)
+    )
+
+
+class _LoadDefaults:
+    """`resume`/`fast_forward` given to a subclass's `load` that reaches `Learner.load` through `super()`
+    without passing them on (its signature may not have them)."""
+
+    def __init__(self):
+        self.stack: list = []
+
+    def get(self, given):
+        return self.stack[-1] if self.stack and given == (True, False) else given
+
+
+_LOAD_DEFAULTS = _LoadDefaults()
 
 
 @patch
@@ -289,14 +244,18 @@ def fit(
     position; `resume=False` ignores it."""
     sc = script(self)
     if sc.fit_depth or _is_lr_find(cbs):  # a fit inside a fit, or lr_find: fastai's own, no stage
-        sc.fit_depth += 1
-        try:
-            return self._orig_fit(n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
-        finally:
-            sc.fit_depth -= 1
+
+        def run():
+            sc.fit_depth += 1
+            try:
+                return self._orig_fit(n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
+            finally:
+                sc.fit_depth -= 1
+
+        return run() if sc.fit_depth or sc.stage is not None else between.lr_find_fit(self, run)
     bound = _FIT_SIG.bind(self, n_epoch, lr, wd, cbs, reset_opt, start_epoch)
     with stage_call(self, "fit", bound, start_epoch, start_iter, resume, cbs=L(cbs)) as st:
-        return _run_fit(self, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_iter, resume)
+        return run_fit(self, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_iter, resume)
 
 
 _FIT_SIG = inspect.signature(Learner._orig_fit)
@@ -306,10 +265,201 @@ _FIT_SIG = inspect.signature(Learner._orig_fit)
 def export(self: Learner, fname="export.pkl", **kwargs):
     "fastai's `export`, without the fit's resume session (never part of a model for inference)."
     sessions = [cb for cb in self.cbs if isinstance(cb, ResumeSession)]
-    if not sessions:
-        return self._orig_export(fname, **kwargs)
-    with self.removed_cbs(sessions):
-        return self._orig_export(fname, **kwargs)
+
+    def write():
+        if not sessions:
+            return self._orig_export(fname, **kwargs)
+        with self.removed_cbs(sessions):
+            return self._orig_export(fname, **kwargs)
+
+    if not paths.is_path(fname) or rank_distrib():
+        return write()
+    return between.write_or_keep(self, "export", Path(self.path) / fname, write, f"learn.export({str(fname)!r})")
+
+
+@patch
+def validate(self: Learner, ds_idx=1, dl=None, cbs=None):
+    "fastai's `validate`; between the stages of a rerun, the uninterrupted run's result (`between`)."
+    run = lambda: self._orig_validate(ds_idx=ds_idx, dl=dl, cbs=cbs)  # noqa: E731
+    if script(self).fit_depth or dl is not None or ds_idx != 1:
+        return run()
+    return between.validated(self, run, "learn.validate()")
+
+
+@patch
+def get_preds(self: Learner, *args, **kwargs):
+    "fastai's `get_preds`; of a dataset between the stages of a rerun, as the uninterrupted run's (`between`)."
+    run = lambda: self._orig_get_preds(*args, **kwargs)  # noqa: E731
+    if script(self).fit_depth or kwargs.get("dl") is not None or (len(args) > 1 and args[1] is not None):
+        return run()
+    return between.predicted(self, run, "learn.get_preds()")
+
+
+Learner.get_preds.__signature__ = inspect.signature(Learner._orig_get_preds)
+
+
+# ---- Learner subclasses with their own load or save ---------------------------------------------
+
+# Subclasses whose own `load` does, for a file of ours, nothing beyond what `Learner.load` does:
+# fastai's TextLearner (its load reads `.pth` files with `torch.load` and cleans AWD-LSTM's raw weights).
+_KNOWN_LOADS = {"fastai.text.learner.TextLearner"}
+
+
+def _calls_super(f) -> bool:
+    "Does `f` (a method) call `super()` or `Learner.<something>` (so it reaches the patched `Learner`)?"
+    code = getattr(f, "__code__", None)
+    return code is not None and ("super" in code.co_names or "Learner" in code.co_names)
+
+
+def _with_keywords(f, extra):
+    "`f`'s signature with keyword-only parameters `extra` added (before its `**kwargs`)."
+    sig = inspect.signature(f)
+    params = [p for p in sig.parameters.values() if p.name not in {e.name for e in extra}]
+    var_kw = [p for p in params if p.kind == p.VAR_KEYWORD]
+    return sig.replace(parameters=[p for p in params if p.kind != p.VAR_KEYWORD] + extra + var_kw)
+
+
+def _warn_bypassed(cls, name, path):
+    import warnings
+
+    warnings.warn(
+        f"{cls.__qualname__}.{name} is its own and does not call Learner.{name}: fastai_resume {name}ed "
+        f"{path} itself, without the rest of {cls.__qualname__}.{name}. If that method does more than "
+        f"fastai's (reads or writes other files), call super().{name}(...) in it for fastai_resume checkpoints.",
+        stacklevel=3,
+    )
+
+
+def _cover_load(cls, f):
+    "`cls.load` (its own): our checkpoints are loaded by fastai_resume, never handed to a pickle load."
+    known = f"{cls.__module__}.{cls.__qualname__}" in _KNOWN_LOADS
+    via_super = _calls_super(f) and not known
+    sig = inspect.signature(f)
+
+    def load(self, file, *args, resume=True, fast_forward=False, **kwargs):
+        path, ours = _found_checkpoint(self, file)
+        if not ours:  # (a subclass of the user's gets the name it was given, as it expects)
+            return _load_theirs(self, file, path, lambda g: f(self, g if known else file, *args, **kwargs))
+        if via_super:  # it reaches `Learner.load`, perhaps without these two
+            _LOAD_DEFAULTS.stack.append((resume, fast_forward))
+            try:
+                return f(self, file, *args, **kwargs)
+            finally:
+                _LOAD_DEFAULTS.stack.pop()
+        if not known:
+            _warn_bypassed(cls, "load", path)
+        given = sig.bind_partial(self, file, *args, **kwargs).arguments
+        extra = given.get("kwargs", {})
+        with_opt = given.get("with_opt", extra.get("with_opt"))
+        return _load_ours(
+            self,
+            path,
+            file,
+            given.get("device", extra.get("device")),
+            resume,
+            fast_forward,
+            True if with_opt is None else with_opt,
+            given.get("strict", extra.get("strict", True)),
+        )
+
+    load.__signature__ = _with_keywords(
+        f,
+        [
+            inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=True),
+            inspect.Parameter("fast_forward", inspect.Parameter.KEYWORD_ONLY, default=False),
+        ],
+    )
+    return load
+
+
+def _cover_save(cls, f):
+    "`cls.save` (its own): a resumable save is written by `Learner.save`, or refused loudly."
+    via_super = _calls_super(f)
+
+    def save(self, file, *args, with_iter=False, **kwargs):
+        if not with_iter:
+            return f(self, file, *args, **kwargs)
+        if not via_super:
+            _warn_bypassed(cls, "save", paths.resolve(self, file))
+            return Learner.save(self, file, *args, with_iter=True, **kwargs)
+        before = _SAVES_WITH_ITER[0]
+        out = f(self, file, *args, with_iter=True, **kwargs)
+        if _SAVES_WITH_ITER[0] == before and rank_distrib() == 0:
+            raise CheckpointError(
+                f"{cls.__qualname__}.save did not pass with_iter=True on to Learner.save: no resumable "
+                f"checkpoint of {file!r} was written. Pass it on (super().save(file, **kwargs))."
+            )
+        return out
+
+    save.__signature__ = _with_keywords(
+        f, [inspect.Parameter("with_iter", inspect.Parameter.KEYWORD_ONLY, default=False)]
+    )
+    return save
+
+
+def _cover_encoder(cls, f, op):
+    "TextLearner's `save_encoder` / `load_encoder`: between stages, part of the script (`between`)."
+
+    def path_of(self, file):
+        return paths.resolve(self, file).with_name(Path(file).name + ".pth")
+
+    if op == "save_encoder":
+
+        def method(self, file, *args, **kwargs):
+            if rank_distrib() or not paths.is_path(file):
+                return f(self, file, *args, **kwargs)
+            return between.write_or_keep(
+                self, op, path_of(self, file), lambda: f(self, file, *args, **kwargs), f"learn.{op}({str(file)!r})"
+            )
+
+    else:
+
+        def method(self, file, *args, **kwargs):
+            if paths.is_path(file):
+                _between_load(self, file, path_of(self, file), "loads an encoder", op)
+            return f(self, file, *args, **kwargs)
+
+    method.__signature__ = inspect.signature(f)
+    return method
+
+
+_ENCODERS = {"save_encoder", "load_encoder"}
+
+
+def cover_subclass(cls) -> None:
+    "Put fastai_resume in front of the `load` and `save` that a Learner subclass defines itself (once)."
+    known = f"{cls.__module__}.{cls.__qualname__}" in _KNOWN_LOADS
+    for name in ("load", "save", *(sorted(_ENCODERS) if known else ())):
+        f = cls.__dict__.get(name)
+        if f is None or getattr(f, "_frk_cover", False) or not callable(f):
+            continue
+        g: Any = (
+            _cover_load(cls, f)
+            if name == "load"
+            else _cover_save(cls, f)
+            if name == "save"
+            else _cover_encoder(cls, f, name)
+        )
+        g.__name__, g.__qualname__, g.__doc__ = name, f"{cls.__qualname__}.{name}", f.__doc__
+        g._frk_cover = True
+        g.__wrapped_original__ = f
+        setattr(cls, name, g)
+
+
+def _cover_subclasses() -> None:
+    "Every Learner subclass there is, and every one defined later (`__init_subclass__`)."
+    todo = list(Learner.__subclasses__())
+    while todo:
+        c = todo.pop()
+        cover_subclass(c)
+        todo += c.__subclasses__()
+    if "__init_subclass__" not in Learner.__dict__:
+
+        def __init_subclass__(cls, **kwargs):
+            super(Learner, cls).__init_subclass__(**kwargs)
+            cover_subclass(cls)
+
+        Learner.__init_subclass__ = classmethod(__init_subclass__)
 
 
 def _wrap_fit_method(name):
@@ -346,12 +496,38 @@ def _patch_schedule() -> None:
         _wrap_fit_method(name)
 
 
+# ---- elsewhere in fastai ----------------------------------------------------------------------
+
+
+def _broadcast_idxs(self, t, src):
+    "`DistributedDL._broadcast` that keeps the tensor on the CPU unless the backend is NCCL (one process: as is)."
+    if not dist.active():
+        return list(t)
+    dev = torch.device("cuda", torch.cuda.current_device()) if D.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(t, dtype=torch.long, device=dev)
+    D.broadcast(t, src)
+    return t.cpu().tolist()
+
+
+def patch_distributed_dl() -> None:
+    """At a fit's or validation's start under a process group: fastai's `DistributedDL` broadcasts each
+    epoch's index list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU."""
+    ddl = fastai_class("fastai.distributed", "DistributedDL")
+    if ddl is not None and getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs":
+        ddl._broadcast = _broadcast_idxs
+
+
+def _install_lazy_losses() -> None:
+    "`Recorder.losses` restored from a checkpoint is rebuilt on its first read (`state.RecorderLosses`)."
+    if not isinstance(Recorder.__dict__.get("losses"), state.RecorderLosses):
+        Recorder.losses = state.RecorderLosses()
+
+
 def apply() -> None:
     "Once per process: the lazy Recorder losses, and the fit wrappers as soon as fastai defines them."
-    from .compat import check_fastai_version
-
     check_fastai_version()
-    state.install_lazy_losses()
+    _install_lazy_losses()
+    _cover_subclasses()
     if imported("fastai.callback.schedule"):
         _patch_schedule()  # else `fastai_resume/__init__`'s hook does it
 

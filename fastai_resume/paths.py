@@ -14,7 +14,9 @@ from pathlib import Path
 
 from .io import EXT
 
-__all__ = ["model_folder", "resolve", "is_path", "load_candidates"]
+__all__ = ["model_folder", "resolve", "is_path", "load_candidates", "MANIFEST"]
+
+MANIFEST = "manifest.frk"  # what makes a folder a (sharded) checkpoint: `fastai_resume.sharded`
 
 
 def is_path(file) -> bool:
@@ -39,11 +41,17 @@ def with_ext(path: Path) -> Path:
 
 def load_candidates(learn, file) -> list:
     """The files `learn.load(file)` may mean: `file.frk`, fastai's `file.pth` (and `file` itself if it
-    has either extension),
-    those that exist, newest first. The format of each is told later by its magic bytes."""
+    has either extension), or a folder `file.frk` (a sharded checkpoint), those that exist, newest
+    first. The format of each is told later by its magic bytes."""
     base = resolve(learn, file)
     cands = [base.with_name(base.name + EXT), base.with_name(base.name + ".pth")]
     if base.suffix in (EXT, ".pth"):
         cands.append(base)
-    found = {c for c in cands if c.is_file()}
-    return sorted(found, key=lambda c: c.stat().st_mtime_ns, reverse=True)
+    found = []
+    for c in dict.fromkeys(cands):
+        if c.is_file():
+            found.append((c.stat().st_mtime_ns, c))
+        elif c.is_dir() and c.suffix == EXT:  # a sharded checkpoint (an unfinished one too: loading says so)
+            m = c / MANIFEST  # (a folder's own time changes as files come and go: its manifest's)
+            found.append(((m if m.is_file() else c).stat().st_mtime_ns, c))
+    return [c for _, c in sorted(found, key=lambda x: x[0], reverse=True)]

@@ -1,38 +1,23 @@
-"""Where a training script is, and the resume of one fit.
-
-A script is a sequence of *stages*: its top-level training calls (`fit`, `fit_one_cycle`,
-`fit_flat_cos`, `fit_sgdr`, `fine_tune`; `lr_find` and fits inside a fit do not count), each of one or
-more fits (`fine_tune` runs two). A checkpoint's position is (stage, fit, epoch, iteration), plus the
-signature of every stage so far (`Stage.signature`), so a rerun of the same script skips finished stages
-without training, continues the saved one at its iteration, and refuses a changed script.
-
-`Script` is everything fastai_resume keeps about one Learner; it lives in a weak table here, never on
-the Learner (an exported or pickled Learner carries none of it). `ResumeSession` is the callback of one
-fit: it tracks the position for `save(with_iter=True)`, captures the training state, and, when a resume
-is armed, restores it and skips the finished work, with the decisions made by `_core.SkipToIter`.
-(About 600 lines: the stage bookkeeping and the fit's session share their state and are read together;
-what each captures or restores is in `loaders.py` and `state.py`.)
+"""The resume of one fit: `run_fit` runs a fit of a stage (skipped, resumed or run), with its
+`ResumeSession`, the callback that tracks the training position for `save(with_iter=True)` and, when a
+resume is armed, restores the saved training state (`trainstate`) and skips the finished work, with the
+decisions made by `_core.SkipToIter` and the batches cut by `loaders.skip_first`.
 """
 
 from __future__ import annotations
 
-import inspect
-import os
-import sys
 import time
-import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
 from fastai.callback.core import Callback
+from fastcore.foundation import L
 
-from . import _core, check, checkpoint, dist, loaders, state
-from .io import CheckpointError
+from . import _core, callbacks, check, dist, loaders, sharded, state, trainstate
+from .script import Interrupted
+from .stages import Stage
 
-__all__ = ["Script", "Armed", "Stage", "FitPlan", "ResumeSession", "script", "session_of", "InBatchSave"]
+__all__ = ["FitPlan", "EventFrames", "ResumeSession", "InBatchSave", "run_fit"]
 
 _IN_BATCH = {
     "before_batch",
@@ -53,222 +38,10 @@ class InBatchSave(ValueError):
 
 
 @dataclass
-class Armed:
-    "A resume armed by `learn.load` of a checkpoint saved mid-fit; the next matching fit consumes it."
-
-    train: dict
-    path: Path
-    opt: dict | None
-    fast_forward: bool = False
-
-    @property
-    def position(self) -> dict:
-        return self.train["position"]
-
-
-@dataclass
-class Interrupted:
-    stage: int
-    epoch: int
-    iter: int
-
-
-class AutosaveRun:
-    """What one AutoCheckpoint run has done in this process: whether it has autoresumed (once per process,
-    again after an interrupted fit) and the attempt number its files carry."""
-
-    def __init__(self):
-        self.resumed = False
-        self.attempt: int | None = None
-
-
-class Script:
-    "What fastai_resume knows about one Learner's training script (kept outside the Learner)."
-
-    def __init__(self):
-        self.armed: Armed | None = None
-        self.signatures: list = []  # of the stages finished in this process
-        self.stage: Stage | None = None  # the top-level call in progress
-        self.session: ResumeSession | None = None  # the fit in progress
-        self.fit_depth = 0  # fits in progress (a resumable one, and any fit run inside it or by lr_find)
-        self.interrupted: Interrupted | None = None
-        # AutoCheckpoint runs of this script, by (folder, fname, run id): shared by every instance of
-        # one run (a new AutoCheckpoint passed to each fit call is the same run, its files named alike).
-        self.autosave_runs: dict = {}
-
-    def autosave_run(self, key) -> AutosaveRun:
-        run = self.autosave_runs.get(key)
-        if run is None:
-            run = self.autosave_runs[key] = AutosaveRun()
-        return run
-
-    def disarm(self, why: str | None = None) -> None:
-        if self.armed is not None and why:
-            print(f"fastai_resume: {why}: the resume armed from {self.armed.path} is cancelled")
-        self.armed = None
-
-
-_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def script(learn) -> Script:
-    s = _scripts.get(learn)
-    if s is None:
-        s = _scripts[learn] = Script()
-    return s
-
-
-def session_of(learn):
-    s = _scripts.get(learn)
-    return None if s is None else s.session
-
-
-def _arg_repr(v) -> str:
-    if isinstance(v, np.ndarray):
-        return np.array2string(v, threshold=sys.maxsize, floatmode="unique")
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_arg_repr(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {_arg_repr(x)}" for k, x in sorted(v.items())) + "}"
-    return repr(v)
-
-
-_NOT_SIGNATURE = ("self", "cbs", "start_epoch", "start_iter", "resume")
-
-
-def _trainable(learn) -> str:
-    ps = list(learn.model.parameters())
-    return f"{sum(p.requires_grad for p in ps)}/{len(ps)} parameter tensors trainable"
-
-
-class Stage:
-    "One top-level training call of the script, the `index`-th."
-
-    def __init__(
-        self, learn, index: int, method: str, bound: inspect.BoundArguments, start_epoch=0, start_iter=None, resume=True
-    ):
-        self.learn, self.index, self.method = learn, index, method
-        args = {k: v for k, v in bound.arguments.items() if k not in _NOT_SIGNATURE}
-        if isinstance(args.get("kwargs"), dict):
-            args["kwargs"] = {k: v for k, v in args["kwargs"].items() if k not in _NOT_SIGNATURE}
-        self.signature: dict = {
-            "method": method,
-            "args": {k: _arg_repr(v) for k, v in args.items()},
-            "trainable": _trainable(learn),
-        }
-        self.start_epoch, self.start_iter, self.resume = start_epoch, start_iter, resume
-        self.fits = 0  # fits started in this stage
-        self.extra_cbs: list = []  # the call's own callbacks (`cbs=`), which may hold an AutoCheckpoint
-        self.skip_all = False  # finished before the armed checkpoint was saved
-        self.rng_start = state.rng_state()
-
-    @property
-    def explicit(self) -> bool:
-        return bool(self.start_epoch) or self.start_iter is not None
-
-    def begin(self, sc: Script) -> None:
-        "Autoresume, then check the armed checkpoint against this stage: skip it, resume in it, or refuse."
-        learn = self.learn
-        if os.environ.get(check.ENV) == "resume" and self.index == 0 and sc.armed is None:
-            learn.load(check.CKPT)  # `fastai-resume check`: the resumed run
-            if sc.armed is not None:
-                sc.armed.path.unlink()
-        for c in list(learn.cbs) + list(self.extra_cbs):
-            if hasattr(c, "arm_resume"):  # AutoCheckpoint: its run, its lock, and autoresume
-                c.learn = learn
-                c.arm_resume(self)
-        if sc.interrupted is not None and sc.armed is None and self.index == sc.interrupted.stage:
-            i = sc.interrupted
-            print(
-                f"fastai_resume: the previous attempt at stage {i.stage} was interrupted at epoch {i.epoch}, "
-                f"iteration {i.iter}; this fit starts the stage again from the model's current (partly trained) "
-                "weights, which is not an exact continuation. To continue exactly, learn.load a checkpoint saved "
-                "before the interruption (AutoCheckpoint does this by itself)."
-            )
-        sc.interrupted = None
-        a = sc.armed if self.resume else None
-        if a is None or self.explicit:
-            return
-        pos, saved_stages = a.position, a.train["stages"]
-        if self.index > pos["stage"]:
-            raise ValueError(
-                f"the checkpoint {a.path} was saved in stage {pos['stage']} ({saved_stages[-1]['method']}) of its "
-                f"script, but this process has already finished {self.index} stage(s): load it before stage "
-                f"{pos['stage']} runs (at the top of the script), or pass start_epoch/start_iter to apply it to this "
-                "call anyway, or resume=False to start over."
-            )
-        want, now = saved_stages[self.index], self.signature
-        diffs = [f"{k} {want[k]} -> {now[k]}" for k in ("method", "trainable") if want[k] != now[k]]
-        diffs += [
-            f"{k} {want['args'].get(k, '(none)')} -> {now['args'].get(k, '(none)')}"
-            for k in sorted(set(want["args"]) | set(now["args"]))
-            if want["args"].get(k) != now["args"].get(k)
-        ]
-        if diffs:
-            raise ValueError(
-                f"stage {self.index} of this script differs from stage {self.index} of the script that saved {a.path} "
-                f"({'; '.join(diffs)}), so resuming would not give the uninterrupted run's result. Run the script "
-                "as it was, or pass start_epoch/start_iter to resume anyway, or resume=False to start over."
-            )
-        if self.index < pos["stage"]:
-            self.skip_all = True
-            print(
-                f"fastai_resume: skipping stage {self.index} ({self.method}), finished before {a.path.name} was saved"
-            )
-        else:
-            state.set_rng_state(a.train["rng_stage"])  # where the uninterrupted run was when this stage began
-
-
-@contextmanager
-def stage_call(learn, method: str, bound, start_epoch=0, start_iter=None, resume=True, cbs=()):
-    """The top-level training call in progress (a new `Stage`), or the one a nested call belongs to.
-    A call that ends in an exception (an interrupt, an error) is not a finished stage: the next call of
-    the process is the same stage again, and the fit's resources are released as after a normal fit."""
-    sc = script(learn)
-    if sc.stage is not None:
-        yield sc.stage
-        return
-    st = Stage(learn, len(sc.signatures), method, bound, start_epoch, start_iter, resume)
-    st.extra_cbs = list(cbs)
-    sc.stage = st
-    ok = False
-    try:
-        st.begin(sc)
-        yield st
-        ok = True
-    finally:
-        sc.stage = None
-        if ok:
-            sc.signatures.append(st.signature)
-        else:
-            _after_interrupt(learn, sc, st)
-
-
-def _after_interrupt(learn, sc: Script, st: Stage) -> None:
-    "fastai runs no `after_fit` when a fit ends in an exception: release what callbacks hold for a fit."
-    sc.session, sc.fit_depth = None, 0
-    for c in list(learn.cbs) + list(st.extra_cbs):
-        if hasattr(c, "after_interrupted_fit"):
-            c.after_interrupted_fit()
-
-
-def _csv_logger_class():
-    mod = sys.modules.get("fastai.callback.progress")
-    return None if mod is None else mod.CSVLogger
-
-
-def _print_row(learn, row) -> None:
-    "Show a finished epoch's row as fastai would, but write it to no CSV file (the file has it already)."
-    logger, csv = learn.logger, _csv_logger_class()
-    while csv is not None and getattr(logger, "__func__", None) is csv._write_line:
-        logger = logger.__self__.old_logger
-    logger(row)
-
-
-@dataclass
 class FitPlan:
     "What a fit of a stage does: skip to `target` and, from a checkpoint (`source`), restore `saved`."
 
+    script: object
     stage: Stage
     fit_index: int
     saved: dict | None = None
@@ -276,6 +49,53 @@ class FitPlan:
     source: Path | None = None
     opt_state: dict | None = None
     fast_forward: bool = False
+    model_state: dict | None = None  # put back before the restore: skipped stages' end states replaced it
+
+
+class EventFrames:
+    """fastai's `Learner._call_one` for a fit with a session: each event's progress (its callbacks in
+    order, the next to run) is kept, so that a save from a callback can first run the rest of the event."""
+
+    def __init__(self):
+        self.stack: list = []  # [event name, callbacks in order, index of the next one]
+        self.deferred = None  # an exception a later callback raised while a save completed the event
+
+    @property
+    def event(self):
+        return self.stack[-1][0] if self.stack else None
+
+    def run(self, learn, event_name) -> None:
+        frame = [event_name, learn.cbs.sorted("order"), 0]
+        self.stack.append(frame)
+        try:
+            self._run_rest(frame)
+        finally:
+            self.stack.pop()
+
+    def _run_rest(self, frame):
+        cbs = frame[1]
+        while frame[2] < len(cbs):
+            cb = cbs[frame[2]]
+            frame[2] += 1
+            cb(frame[0])
+            if self.deferred is not None:  # raised by a later callback while this one saved
+                e, self.deferred = self.deferred, None
+                raise e
+
+    def complete(self):
+        """Run the callbacks of the event in progress that have not run yet (a save from `after_batch` or
+        `after_epoch` by a callback that comes before the Recorder sees the batch or epoch as finished,
+        whatever its order). Returns the exception one of them raised (re-raised after the save)."""
+        if not self.stack:
+            return None
+        frame = self.stack[-1]
+        if not frame[0].startswith("after_") or frame[0] == "after_fit":
+            return None
+        try:
+            self._run_rest(frame)
+        except BaseException as e:
+            return e
+        return None
 
 
 class ResumeSession(Callback):
@@ -288,141 +108,30 @@ class ResumeSession(Callback):
     def __init__(self, plan: FitPlan):
         # (the fields are the plan's, not `__init__`'s arguments: fastai's W&B callback logs a callback's
         # `__init__` arguments as configuration, and the plan holds the Learner and whole tensors)
-        self.stage, self.fit_index, self.saved, self.target = plan.stage, plan.fit_index, plan.saved, plan.target
-        self.source, self.opt_state, self.fast_forward = plan.source, plan.opt_state, plan.fast_forward
+        self.script, self.stage, self.fit_index = plan.script, plan.stage, plan.fit_index
+        self.saved, self.target, self.source = plan.saved, plan.target, plan.source
+        self.opt_state, self.model_state, self.fast_forward = plan.opt_state, plan.model_state, plan.fast_forward
         self.skip = _core.SkipToIter()
+        self.frames = EventFrames()
         self.rows: list = []  # the printed row of every finished epoch
         self.rng_epoch = self.loaders_epoch = self.rng_valid = self.loaders_valid = None
-        self.frames: list = []  # the events in progress: [name, callbacks in order, index of the next one]
-        self.first_iter = 0
-        self.resuming = False
-        self.deferred = None
+        self.first_iter, self.rng_action, self.resuming, self.t0 = 0, _core.RNG_NONE, False, 0.0
         self.fast_forwarding = 0  # batches `all_batches` reads and discards first (a stream without state)
 
-    # -- events ---------------------------------------------------------------------------------
-    @property
-    def event(self):
-        return self.frames[-1][0] if self.frames else None
-
-    def run_event(self, learn, event_name) -> None:
-        "fastai's `Learner._call_one`, with the event's progress kept so a save can complete it first."
-        frame = [event_name, learn.cbs.sorted("order"), 0]
-        self.frames.append(frame)
-        try:
-            self._run_rest(frame)
-        finally:
-            self.frames.pop()
-
-    def _run_rest(self, frame):
-        cbs = frame[1]
-        while frame[2] < len(cbs):
-            cb = cbs[frame[2]]
-            frame[2] += 1
-            cb(frame[0])
-            if self.deferred is not None:  # raised by a later callback while this one saved
-                e, self.deferred = self.deferred, None
-                raise e
-
-    def complete_event(self):
-        """Run the callbacks of the event in progress that have not run yet (a save from `after_batch` or
-        `after_epoch` by a callback that comes before the Recorder sees the batch or epoch as finished,
-        whatever its order). Returns the exception one of them raised (re-raised after the save)."""
-        if not self.frames:
-            return None
-        frame = self.frames[-1]
-        if not frame[0].startswith("after_") or frame[0] == "after_fit":
-            return None
-        try:
-            self._run_rest(frame)
-        except BaseException as e:
-            return e
-        return None
-
-    # -- resuming -------------------------------------------------------------------------------
     def before_fit(self):
         self.t0 = time.perf_counter()
         if self.saved is not None:
-            self._warm_dls()  # only before a restore: a fresh fit draws as fastai does
-        for dl in self.dls.loaders:
-            self._seed_workers(dl)
-        csv = _csv_logger_class()
-        for cb in self.learn.cbs:
-            if csv is not None and isinstance(cb, csv) and getattr(cb, "file", None) is not None:
-                cb.resume_file_start = self._csv_start(cb)
+            loaders.warm(self.dls)  # only before a restore: a fresh fit draws as fastai does
+        loaders.seed_workers(self.dls)
+        callbacks.mark_csv_start(self.learn)
         if self.target is None:
             return
-        epoch, it = self.target
-        self.skip.arm(epoch, it, self.n_epoch, len(self.dls.train))
+        self.skip.arm(*self.target, self.n_epoch, len(self.dls.train))
         if self.saved is None:
             return  # a bare start_epoch / start_iter: skip, restore nothing
-        sv = self.saved = _rank_view(self.saved)
-        if self.opt_state is not None:  # again: a wrapper may have cleared it (fine_tune's freeze)
-            self.opt.load_state_dict(_on_training_device(self.learn, self.opt_state))
-        self._restore_grads(sv)
-        hypers = sv["hypers"]
-        if hypers and len(hypers) != len(self.opt.hypers):
-            raise CheckpointError(
-                f"{self.source}: {len(hypers)} parameter groups saved, the optimizer has {len(self.opt.hypers)}"
-            )
-        for i, (live, saved) in enumerate(zip(self.opt.hypers, hypers)):
-            for k, v in saved.items():
-                if k not in live or _kind(live[k]) != _kind(v):
-                    raise CheckpointError(
-                        f"{self.source}: train.hypers[{i}][{k!r}] is a {type(v).__name__} in the file, "
-                        f"{type(live.get(k)).__name__ if k in live else 'not a hyper-parameter'} in the optimizer"
-                    )
-        for k in hypers[0] if hypers else {}:  # fit() has just reset the learning rate and weight decay
-            self.opt.set_hyper(k, [h[k] for h in hypers])
-        if sv["recorder"] is not None:
-            state.set_recorder_state(self.learn, sv["recorder"])
-        state.set_callback_states(self.learn, sv["callbacks"])
-        self.rows = [list(r) for r in sv["rows"]]
-
-    def _warm_dls(self):
-        "Compute what fastai computes lazily with the RNG on first use (TfmdDL's `_one_pass`), before any restore."
-        for dl in self.dls.loaders:
-            try:
-                getattr(dl, "n_inp", None)
-            except Exception:
-                pass
-
-    def _restore_grads(self, sv):
-        """Each parameter's gradient as the uninterrupted run had it: the pending ones of an accumulation,
-        else zero where it had one and none where it had none. fastai's optimizer steps every parameter
-        that has a gradient, a frozen one with a zero gradient too (its Adam moments and weight decay go
-        on), so whether a gradient exists is state: a rerun that skipped the stages that made them has
-        none. In the process itself, an interrupt between `backward` and `zero_grad` left gradients
-        that the next `backward` would add to."""
-        ps = list(self.model.parameters())
-        bad = checkpoint.grads_mismatch(sv, len(ps))
-        if bad:
-            raise CheckpointError(f"{self.source}: malformed training state: {bad}")
-        had, pending = sv.get("grad_set"), sv.get("grads")
-        for i, p in enumerate(ps):
-            has = had[i] if had is not None else p.grad is not None  # (older files: what the process has)
-            if pending is not None:
-                p.grad = None if pending[i] is None else pending[i].to(p.device, copy=True)
-            elif not has:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
-
-    def _seed_workers(self, dl):
-        if (
-            loaders.is_fastai(dl)
-            and dl.num_workers > 0
-            and not isinstance(dl.__dict__.get("do_item"), loaders.BatchSeeder)
-        ):
-            dl.do_item = loaders.BatchSeeder(type(dl).do_item.__get__(dl), dl.bs or 1, 0)
-
-    @staticmethod
-    def _csv_start(cb) -> int:
-        header = (",".join(cb.recorder.metric_names) + "\n").encode()
-        cb.file.flush()
-        return cb.file.tell() - len(header)
+        self.saved = trainstate.rank_view(self.saved)
+        self.rows = trainstate.restore_fit(self.learn, self.saved, self.source, self.model_state, self.opt_state)
+        self.model_state = None
 
     def skips(self, epoch) -> bool:
         "Called by `Learner._do_fit` before each epoch: True if the epoch is already done."
@@ -432,7 +141,7 @@ class ResumeSession(Callback):
             if mbar is not None:
                 mbar.update(epoch)  # fastprogress wants every epoch counted
             if epoch < len(self.rows):
-                _print_row(self.learn, self.rows[epoch])
+                state.print_row(self.learn, self.rows[epoch])
             return True
         self.resuming = action == _core.STEP_RESUME
         return False
@@ -441,44 +150,26 @@ class ResumeSession(Callback):
         if self.resuming:
             self.resuming = False
             self._start_resumed_epoch()
-        for dl in self.dls.loaders:
-            do_item = dl.__dict__.get("do_item") if loaders.is_fastai(dl) else None
-            if isinstance(do_item, loaders.BatchSeeder):
-                do_item.first, do_item.n = (self.first_iter if dl is self.dls.train else 0), 0
+        loaders.seed_epoch(self.dls, self.first_iter)
         self.rng_epoch = state.rng_state()
         self.loaders_epoch = [loaders.capture(dl) for dl in self.dls.loaders]
         self.rng_valid = self.loaders_valid = None
 
     def before_validate(self):
-        for dl in self.dls.loaders:
-            do_item = dl.__dict__.get("do_item") if loaders.is_fastai(dl) else None
-            if isinstance(do_item, loaders.BatchSeeder) and dl is not self.dls.train:
-                do_item.first, do_item.n = 0, 0
+        loaders.seed_epoch(self.dls, None)
         self.rng_valid = state.rng_state()
         self.loaders_valid = [loaders.capture(dl) for dl in self.dls.loaders]
 
     def _start_resumed_epoch(self):
         sv, k, learn = self.saved, self.first_iter, self.learn
-        n_iter, n_epoch = len(self.dls.train), self.n_epoch
+        n_iter = len(self.dls.train)
         if sv is not None:
-            if self.rng_action == _core.RNG_SAVED:
-                state.set_rng_state(_saved_rng(sv))
-                self._restore_loaders(sv["loaders_now"])
-            else:
-                state.set_rng_state(sv["rng_epoch"])
-                self._restore_loaders(sv["loaders_epoch"], with_stream_state=False)
-            learn.train_iter, learn.pct_train = sv["position"]["train_iter"], sv["position"]["pct_train"]
+            trainstate.restore_epoch(learn, sv, self.rng_action == _core.RNG_SAVED, k)
         else:
             learn.train_iter = self.epoch * n_iter + k
-            learn.pct_train = (self.epoch * n_iter + k) / (n_iter * n_epoch)
+            learn.pct_train = (self.epoch * n_iter + k) / (n_iter * self.n_epoch)
         how = ""
-        if sv is not None and k and sv.get("modules"):
-            state.set_module_states(learn.model, sv["modules"])
-        if sv is not None and k and sv["recorder"] is not None:
-            state.set_train_metrics(learn, sv["recorder"])
         if k:
-            if sv is not None and loaders.is_stream(self.dls.train) and loaders.has_state(self.dls.train):
-                loaders.restore(self.dls.train, sv["loaders_now"][0])  # the stream continues from where it was
             how = loaders.skip_first(
                 self.dls.train,
                 k,
@@ -487,10 +178,10 @@ class ResumeSession(Callback):
                 f"at epoch {self.epoch}, iteration {k} " if sv is None else f"from {self.source} ",
                 whole=sv is not None and bool(sv["position"].get("loader_done")),
             )
-            self._guard_after_batch()
-        pbar = getattr(getattr(learn, "progress", None), "pbar", None)
-        if pbar is not None and k:
-            pbar.update(k)
+            loaders.before_first_batch(self.dls.train, self._restore_saved_rng)
+            pbar = getattr(getattr(learn, "progress", None), "pbar", None)
+            if pbar is not None:
+                pbar.update(k)
         where = f"{self.source} " if self.source else ""
         print(
             f"fastai_resume: resuming {where}at epoch {self.epoch}, iteration {k}/{n_iter} "
@@ -498,23 +189,9 @@ class ResumeSession(Callback):
         )
         self.fast_forwarding = k if how == "fast-forward" else 0
 
-    def _restore_loaders(self, states, with_stream_state=True):
-        for dl, st in zip(self.dls.loaders, states):
-            loaders.restore(dl, st, with_stream_state)
-
-    def _guard_after_batch(self):
-        """With worker processes the skipped part is behind the main process once the loader hands over
-        its first batch: restore the saved RNG before that batch's `after_batch` transforms run."""
-        dl = self.dls.train
-        if not loaders.is_fastai(dl):
-            return
-        dl.after_batch = loaders.call_hook_first(
-            dl.after_batch, self._restore_saved_rng, lambda orig: setattr(dl, "after_batch", orig)
-        )
-
     def _restore_saved_rng(self):
         if self.skip.take_rng() and self.saved is not None:
-            state.set_rng_state(_saved_rng(self.saved))
+            state.set_rng_state(trainstate.saved_rng(self.saved))
 
     def batch_fetched(self):
         "Called by `all_batches` once a batch is in hand (a loader with no earlier hook)."
@@ -532,15 +209,16 @@ class ResumeSession(Callback):
             self.rows.append(state.plain(list(rec.log)))
 
     def end_of_epochs(self):
-        "Called by `Learner._do_fit` after the last epoch: a fit resumed at its very end gets the saved RNG now."
-        if self.skip.pending:
+        """Called by `Learner._do_fit` after the last epoch: a fit resumed at its very end (no epoch left to
+        resume in) gets the state it was saved with now: RNG, loaders, schedule position."""
+        if self.skip.after_last_epoch() and self.saved is not None:
+            trainstate.restore_epoch(self.learn, self.saved, True, 0)
+        elif self.skip.pending:
             self._restore_saved_rng()
 
-    # -- saving ---------------------------------------------------------------------------------
     def position(self):
         "Where training is now, as `(epoch, iter)` with iter = training batches done, or None."
-        learn, ev = self.learn, self.event
-        n_iter = len(self.dls.train)
+        learn, ev = self.learn, self.frames.event
         if ev in (None, "before_fit", "after_fit", "after_cancel_fit"):
             return None
         if ev == "before_epoch":
@@ -557,111 +235,91 @@ class ResumeSession(Callback):
                 "position is exact (the batch has partly run): save from after_batch (the batch "
                 "counts as done), before_epoch or after_epoch"
             )
-        return self.epoch, n_iter  # training done; validation reruns on resume
+        return self.epoch, len(self.dls.train)  # training done; validation reruns on resume
 
-    def capture(self) -> dict | None:
-        learn = self.learn
-        pos = self.position()  # before completing the event: a save from inside a batch is refused first
-        if pos is not None and self.deferred is None:
-            self.deferred = self.complete_event()
-        pos = self.position()
-        if pos is None:
-            return None
-        epoch, it = pos
-        rec = getattr(learn, "recorder", None)
-        rows = list(self.rows)
-        if rec is not None and len(rows) == self.epoch and len(rec.values) > self.epoch and epoch > self.epoch:
-            rows.append(state.plain(list(rec.log)))  # this epoch's row, logged by the Recorder already
-        boundary = it == 0
-        validating = self.rng_valid is not None and epoch == self.epoch and it == len(self.dls.train)
-        # saved after the training loop ended (after_train, validation): the loader had read all of the
-        # epoch, the partial batch drop_last discards included; from after_batch of the last batch it had not
-        loader_done = (
-            epoch == self.epoch and it == len(self.dls.train) and not (learn.training and self.event == "after_batch")
+
+# ---- a fit of a stage --------------------------------------------------------------------------
+
+
+def _check_same_fit(learn, pos, n_epoch):
+    "A resumed fit must be the fit that was saved, or the result silently changes."
+    diffs = []
+    if pos["n_epoch"] != n_epoch:
+        diffs.append(f"n_epoch {pos['n_epoch']} -> {n_epoch}")
+    n_all, now = pos["n_iter_all"], len(dist.unwrap_dl(learn.dls.train))
+    if n_all != now:
+        diffs.append(f"batches per epoch {n_all} -> {now}")
+    bs = loaders.batch_size(learn.dls.train)
+    if pos["bs"] != bs:
+        diffs.append(f"batch size {pos['bs']} -> {bs}")
+    if diffs:
+        raise ValueError(
+            "this fit differs from the one that was saved (" + ", ".join(diffs) + "), so resuming "
+            "it would not give the result of the uninterrupted run. Fit as before, or pass "
+            "start_epoch/start_iter to resume anyway, or resume=False to start over."
         )
-        now_loaders = [loaders.capture(dl) for dl in self.dls.loaders]
-        mine = {  # what differs between the ranks of a data-parallel fit
-            "rng": state.rng_state(),
-            "rng_valid": self.rng_valid if validating else None,
-            "rng_epoch": self.rng_epoch if self.rng_epoch is not None and not boundary else state.rng_state(),
-            "loaders_now": self.loaders_valid if validating else now_loaders,
-            "loaders_epoch": self.loaders_epoch if self.loaders_epoch is not None and not boundary else now_loaders,
-            "recorder": state.recorder_state(rec) if rec is not None else None,
-            "modules": state.module_states(learn.model),
-        }
-        ranks = dist.gather(mine) if dist.active() else None  # collective: on every rank
-        if dist.rank() != 0:
-            return None  # rank 0 writes
-        sc = script(learn)
-        st = self.stage
-        return {
-            "position": {
-                "epoch": epoch,
-                "iter": it,
-                "n_epoch": self.n_epoch,
-                "n_iter": len(self.dls.train),
-                "bs": loaders.batch_size(self.dls.train),
-                "fit_index": self.fit_index,
-                "stage": st.index,
-                "train_iter": learn.train_iter,
-                "pct_train": float(learn.pct_train),
-                "world_size": dist.world(),
-                "loader_done": loader_done,
-                "n_iter_all": len(dist.unwrap_dl(self.dls.train)),
-            },
-            "stages": list(sc.signatures[: st.index]) + [st.signature],
-            "rng_stage": st.rng_start,
-            **mine,
-            "ranks": None if ranks is None else [None] + ranks[1:],  # rank 0's are the fields above
-            "hypers": state.plain([dict(h) for h in learn.opt.hypers]),
-            "grads": _pending_grads(learn.model),
-            "grad_set": [p.grad is not None for p in learn.model.parameters()],
-            "rows": rows,
-            "callbacks": state.callback_states(learn),
-        }
 
 
-def _kind(v) -> str:
-    "What a hyper-parameter's value is, for comparing a saved one with the optimizer's own."
-    if v is None or isinstance(v, (bool, str)):
-        return type(v).__name__
-    if isinstance(v, (int, float)):
-        return "number"
-    if isinstance(v, (list, tuple)):
-        return f"sequence of {len(v)}"
-    return type(v).__name__
-
-
-def _saved_rng(sv: dict) -> dict:
-    "The RNG state the uninterrupted run continued with: at the save, or at the start of the validation it was in."
-    return sv["rng"] if sv["rng_valid"] is None else sv["rng_valid"]
-
-
-def _rank_view(saved: dict) -> dict:
-    """The saved training state as this rank sees it: its own RNG, loader and Recorder state from
-    `ranks` (`fit` uses no saved state at all when the world size differs)."""
-    ranks = saved.get("ranks")
-    if not ranks or dist.rank() >= len(ranks):
-        return saved
-    mine = ranks[dist.rank()]
-    return saved if mine is None else {**saved, **mine}
-
-
-def _on_training_device(learn, tree):
-    """`tree` (an optimizer state kept on the CPU since `learn.load`) on the device the fit trains on:
-    the loaders' device, as fastai's `load` and `TrainEvalCallback` use, else the parameters'. On the
-    CPU a CUDA fit's first step failed: Adam's moments on the CPU, the gradients on the GPU."""
-    from fastai.torch_core import to_device
-
-    dev = getattr(learn.dls, "device", None)
-    if dev is None:
-        dev = next(iter(learn.model.parameters()), torch.empty(0)).device
-    return tree if torch.device(dev).type == "cpu" else to_device(tree, dev)
-
-
-def _pending_grads(model):
-    "The parameters' gradients if any is non-zero (accumulation in progress), else None."
-    grads = [p.grad for p in model.parameters()]
-    if not any(g is not None and bool(g.any()) for g in grads):
-        return None
-    return [None if g is None else g.detach() for g in grads]
+def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_iter, resume):
+    "One fit of stage `st`: skipped, resumed or run, with its `ResumeSession`."
+    fit_index = st.fits
+    st.fits += 1
+    if not start_epoch:
+        start_epoch = st.start_epoch
+    if start_iter is None:
+        start_iter = st.start_iter
+    resume = resume and st.resume
+    explicit = bool(start_epoch) or start_iter is not None
+    if not resume:
+        sc.disarm("resume=False")
+    a = sc.armed
+    if a is not None and not explicit:
+        if st.skip_all:
+            return  # the whole stage is done (Stage.begin said so)
+        if fit_index < a.position["fit_index"]:
+            print(f"fastai_resume: skipping fit {fit_index} of stage {st.index} (finished before the save)")
+            return
+    saved = a.train if a is not None else None
+    pos = saved["position"] if saved else None
+    if saved is not None and not explicit and pos["world_size"] != dist.world():  # moved, counted in samples
+        saved = sharded.continue_at(learn, saved, a.path, n_epoch)
+        pos = saved["position"]
+    target = _core.skip_plan(
+        saved is not None,
+        pos["epoch"] if saved else 0,
+        pos["iter"] if saved else 0,
+        start_epoch if start_epoch else -1,
+        -1 if start_iter is None else start_iter,
+    )
+    if saved is not None and not explicit:
+        _check_same_fit(learn, pos, n_epoch)  # raises: still armed
+    if a is not None:  # consumed by this fit: the log of the calls replayed before it is the script's own again
+        sc.log = [ev for ev in a.log if ev["at"] <= st.index]
+    sc.armed = None
+    if explicit and saved is not None and (target != (pos["epoch"], pos["iter"]) or pos["world_size"] != dist.world()):
+        saved = None  # another position or sharding: the model and optimizer, not the saved state
+    s = ResumeSession(
+        FitPlan(
+            sc,
+            st,
+            fit_index,
+            saved,
+            target,
+            a.path if a is not None else None,
+            a.opt if saved is not None else None,
+            a.fast_forward if a is not None else False,
+            a.model if saved is not None and a.model_moved else None,
+        )
+    )
+    sc.session = s
+    sc.fit_depth += 1
+    try:
+        probe = check.probe_for(learn)  # only under `fastai-resume check`
+        learn._orig_fit(n_epoch, lr=lr, wd=wd, cbs=L(s) + L(cbs) + L(probe), reset_opt=reset_opt, start_epoch=0)
+        st.rows += s.rows
+    except BaseException:
+        sc.interrupted = Interrupted(st.index, getattr(learn, "epoch", 0), getattr(learn, "iter", 0))
+        raise
+    finally:
+        sc.fit_depth -= 1
+        sc.session = None

@@ -1,32 +1,20 @@
 """Background saves: a copy of the training state taken at the batch boundary into buffers reused
 from one save to the next, then written by a thread while training goes on.
 
-Where a background save's cost went (bench/overhead.py's model, 230 MB of state, 2 cores):
-- cloning every storage into fresh memory took 0.08 to 0.23 s per save, against 0.015 to 0.06 s
-  for the same copy into memory already touched (page faults of new allocations, paid at every
-  save): `SnapshotPool` keeps the previous save's buffers and copies into them;
-- the writer thread's CPU work (the copy into the page cache, CRC32C) competes with training's
-  threads, and filling the page cache with fresh pages cost training more than the write itself:
-  big storages are copied into page-aligned buffers, checksummed during that copy
-  (`_core.copy_crc32c`, while the bytes are in cache, both cores: training waits then anyway), and
-  the commit writes them with O_DIRECT from where they are (`Writer.commit(direct=True)`), so the
-  writer thread makes system calls and almost nothing else;
-- AutoCheckpoint's retention unlinked the oldest 230 MB checkpoint in the training thread once the
-  write was done: 34-53 ms, a second stall per save as long as the first. The writer thread does it
-  now, after its commit (`BackgroundCommit(then=...)`);
-- the copy checksums each 64 KB piece of the source, then copies it with non-temporal stores
-  (csrc/crc32c.c): 205 MB in 15 ms against 19-20 ms for torch's own copy on the same 2 threads, and
-  22-23 ms inside the fit (27 ms before). What is left between those two is torch's OpenMP worker,
-  which spins on a core for several milliseconds after each parallel region: with
-  `OMP_WAIT_POLICY=passive` the copy takes its 15 ms inside the fit too. The copy now runs as an
-  OpenMP team on torch's own runtime where there is one (`COPY_ON_OPENMP`): the spinning worker
-  takes its half at once, 16-17 ms inside the fit;
-- the O_DIRECT write itself: from buffers in 4 KB pages (shared anonymous memory before, which
-  transparent huge pages never back here) the virtual disk got ~230-330 requests of under 1 MB
-  per 230 MB, each completed by an interrupt on a core training runs on; a loop of matrix
-  products lost 20-26 ms to one write. The big buffers are now private memory on huge pages
-  (`_page_storage`): 4 MB requests, 2-3 interrupts, 4 ms lost, and the write takes 0.10 s
-  instead of 0.13 s.
+Training waits only for the copy, so everything else is kept off its path:
+- the copy goes into the previous save's buffers (`SnapshotPool`), memory already touched: fresh
+  memory pays a page fault per page at every save;
+- big storages are checksummed while they are copied (`_core.copy_crc32c`: each piece checksummed
+  from the source, then copied with non-temporal stores, on both cores; the second half on a worker
+  of torch's own OpenMP pool where the core shares torch's runtime, `COPY_ON_OPENMP`, since that
+  worker spins on its core after each step and takes the work at once);
+- the buffers are page-aligned private memory on transparent huge pages (`_page_storage`), so the
+  commit writes them around the page cache (O_DIRECT) in few, large requests: the writer thread
+  makes system calls and almost nothing else, and neither fills the page cache nor interrupts the
+  cores training runs on;
+- what must follow the commit (AutoCheckpoint's retention, unlinking old files) runs in the writer
+  thread too (`BackgroundCommit(then=...)`).
+`bench/overhead.py` measures the stall and the cost per save against a memcpy of the same bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +23,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +32,7 @@ import torch
 
 from . import _core, io
 
-__all__ = ["SnapshotPool", "snapshot", "BackgroundCommit"]
+__all__ = ["SnapshotPool", "BackgroundCommit"]
 
 
 def _openmp_is_torchs() -> bool:
@@ -74,9 +63,10 @@ class SnapshotPool:
     previous snapshot's `BackgroundCommit` is still writing them. Holds one snapshot's memory
     between saves; `release()` lets it go."""
 
-    def __init__(self):
+    def __init__(self, huge_pages: bool = True):
+        self.huge_pages = huge_pages  # False: the big buffers in base pages (bench/overhead.py compares both)
         self._lent: list = []  # (key, buffer) handed out by the latest snapshot
-        self.user = None  # the BackgroundCommit writing the latest snapshot
+        self.user: Any = None  # the BackgroundCommit writing the latest snapshot
         self.crcs: dict = {}  # the latest snapshot's checksums, by (address, bytes) of its storages
 
     def release(self):
@@ -122,7 +112,7 @@ class SnapshotPool:
             new = storages.get(skey, (None,))[0]
             if new is None:
                 if t.device.type == "cpu" and n >= _core.PAGE_ALIGN_MIN:
-                    new = take(("page", n), lambda: _page_storage(n))
+                    new = take(("page", n), lambda: _page_storage(n, self.huge_pages))
                     crcs[new.data_ptr(), n] = _core.copy_crc32c(io.storage_bytes(new), io.storage_bytes(st))
                 elif t.device.type == "cpu":
                     new = take(("torch", False, n), lambda: torch.empty(n, dtype=torch.uint8).untyped_storage())
@@ -169,17 +159,15 @@ class SnapshotPool:
 
 
 _HUGE = 2 << 20  # a huge page on x86-64 and arm64 (4 KB base pages)
-huge_pages = True  # False: the snapshot's big buffers in base pages (bench/overhead.py compares both)
 
 
-def _page_storage(n: int):
+def _page_storage(n: int, huge_pages: bool = True):
     """A storage of n bytes starting on a page: private anonymous memory, kept alive by the storage.
 
     At least `_HUGE` bytes start on a huge page and are offered to transparent huge pages (where the
-    system's setting is `madvise` or `always`): an O_DIRECT write of 230 MB from 4 KB pages went out
-    as ~230-330 requests of under 1 MB (the device's limit on segments per request), each an
-    interrupt on the cores training runs on; from huge pages as 4 MB requests, with 2-3 interrupts,
-    and training lost 4 ms instead of 20-26 ms to the write (the matmul loop in issue 13's note).
+    system's setting is `madvise` or `always`): an O_DIRECT write from 4 KB pages goes out in requests
+    of under 1 MB (a device's limit on segments per request), each an interrupt on the cores training
+    runs on; from huge pages in requests of several MB.
 
     The mapping is not inherited by forked processes (`MADV_DONTFORK`): fastai forks its DataLoader
     workers at every epoch and validation; private memory shared with them would be copied on the
@@ -188,9 +176,19 @@ def _page_storage(n: int):
     m = mmap.mmap(-1, n + _HUGE if huge else n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = -torch.frombuffer(m, dtype=torch.uint8).data_ptr() % _HUGE if huge else 0
     _advise(m, "MADV_DONTFORK")
+    _NOT_FORKED.add(m)
     if huge:
         _advise(m, "MADV_HUGEPAGE", skip, n + _HUGE - skip)
     return torch.frombuffer(m, dtype=torch.uint8, offset=skip, count=n).untyped_storage()
+
+
+# The mappings a forked child does not have (MADV_DONTFORK). Their Python objects are in the child all the
+# same; freeing one there (a garbage cycle the child's GC collects) would munmap whatever the child has
+# mapped since at those addresses: a DataLoader worker's batch, and a segmentation fault. So a child keeps
+# them all, never freed.
+_NOT_FORKED: weakref.WeakSet = weakref.WeakSet()
+_KEPT_IN_CHILD: list = []
+os.register_at_fork(after_in_child=lambda: _KEPT_IN_CHILD.extend(_NOT_FORKED))
 
 
 def _advise(m: mmap.mmap, name: str, *where: int) -> None:
@@ -202,28 +200,20 @@ def _advise(m: mmap.mmap, name: str, *where: int) -> None:
             pass
 
 
-def snapshot(tree: Any) -> Any:
-    "A copy of `tree` that training can no longer change, in fresh buffers (see `SnapshotPool`)."
-    return SnapshotPool().snapshot(tree)
-
-
 class BackgroundCommit:
     """Snapshots `tree` into `pool`'s buffers now, then commits it to `path` from a thread, with
     the GIL released while it writes. `done` and `wait()` as the C Writer's own: `wait()` returns
     the bytes written or raises the commit's error; `seconds`: how long the commit took, once done.
 
-    The thread keeps the process's priority (at nice 19 a 230 MB write on 2 busy cores took 1.5 to
-    3.9 s against 0.43 to 0.50 s, so the next save waited longer for it). With `direct` it only
-    makes system calls: big storages were checksummed during the copy, and the bytes go to the disk
-    around the page cache; bench/overhead.py measures both ways in the same run.
+    The thread keeps the process's priority (at a lower one a write on busy cores takes several times
+    as long, and the next save waits for it). With `direct` it only makes system calls: big storages
+    were checksummed during the copy, and the bytes go to the disk around the page cache
+    (`direct=False`: through it; bench/overhead.py measures both ways in the same run).
 
     `then`, if given, runs in the thread once the commit has succeeded (never after a failed one);
     its return value is `then_result`, what it raised `then_error` (the file is committed either
     way: `wait()` does not raise it), its time `then_seconds`. AutoCheckpoint removes its old
-    checkpoints there: unlinking a 230 MB file took 34-53 ms, which on the training thread was a
-    second stall per save."""
-
-    direct = True  # write around the page cache where the file system allows it (False: through it)
+    checkpoints there (unlinking a big file takes tens of milliseconds)."""
 
     def __init__(
         self,
@@ -232,12 +222,13 @@ class BackgroundCommit:
         pool: SnapshotPool | None = None,
         fsync: bool = True,
         then: Callable[[], Any] | None = None,
+        direct: bool = True,
     ):
         pool = pool or SnapshotPool()
         self._writer = io.encode(pool.snapshot(tree), pool.crcs)  # an unstorable value raises here, in this thread
         self._result = self._error = self.seconds = None
         self.then_result = self.then_error = self.then_seconds = None
-        self._then = then
+        self._then, self.direct = then, direct
         self._thread = threading.Thread(target=self._run, args=(os.fspath(path), fsync), name="fastai_resume-commit")
         self._thread.start()
         pool.user = self
@@ -245,7 +236,7 @@ class BackgroundCommit:
     def _run(self, path, fsync):
         t0 = time.perf_counter()
         try:
-            self._result = self._writer.commit(path, fsync=fsync, direct=self.direct)
+            self._result = io.commit(self._writer, path, fsync=fsync, direct=self.direct)
         except BaseException as e:
             self._error = e
         finally:

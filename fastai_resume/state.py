@@ -1,9 +1,6 @@
-"""Training state that decides what the next step computes, as plain trees, and back.
-
-Every piece here is captured into a tree `fastai_resume.io` can store (no pickle) and restored
-from one: RNG states, DataLoader shuffling state, the Recorder, and the state of the callbacks
-whose counters change the result (trackers, MixedPrecision's GradScaler, GradientAccumulation),
-plus any callback that offers the `resume_state` / `load_resume_state` hook.
+"""Pieces of the training state that decide what the next step computes, as plain trees, and back:
+RNG states, the Recorder, the hidden state of recurrent models, the gradients. (Loaders' state is in
+`loaders`, callbacks' in `callbacks`; `trainstate` assembles the checkpoint's training tree.)
 """
 
 from __future__ import annotations
@@ -17,7 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from fastcore.foundation import L
 
+from .fastai_classes import is_a
 from .io import CheckpointError
 
 __all__ = [
@@ -28,11 +27,10 @@ __all__ = [
     "set_recorder_state",
     "module_states",
     "set_module_states",
-    "install_lazy_losses",
     "RecorderLosses",
-    "callback_states",
-    "set_callback_states",
-    "cb_key",
+    "set_grads",
+    "opt_state_for",
+    "print_row",
 ]
 
 
@@ -113,14 +111,6 @@ class RecorderLosses:
         rec.__dict__.get("_state", {}).pop("frk_losses", None)
 
 
-def install_lazy_losses() -> None:
-    "Make `Recorder.losses` a `RecorderLosses` (once; called by `import fastai_resume`)."
-    from fastai.learner import Recorder
-
-    if not isinstance(Recorder.__dict__.get("losses"), RecorderLosses):
-        Recorder.losses = RecorderLosses()
-
-
 # Per Recorder and history list: the entries taken at its last save and the tensor made of them.
 _HISTORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -130,12 +120,11 @@ def _as_tensor(rec, name: str, items: list, convert: Callable[[list], Any]) -> A
     one tensor, `convert(items)`, where `convert` takes a list and returns a 1-dim tensor or None
     (not convertible: the list itself is then returned).
 
-    Converting the whole list at every save made the stall grow with the run: at 100,000 batches,
-    0.19 s per save (stacking 100,000 0-dim tensors, then walking and encoding 100,000 floats);
-    a run of days saves thousands of times. Only the entries appended since the Recorder's last save
-    are converted now, the previous tensor extended with them (a copy at memory speed), once the
-    list is checked to begin with the very objects converted then (identity, at C speed: a
-    replaced, removed or inserted entry, or a new list, converts it all again). Floats are
+    Converting the whole list at every save would make each save's stall grow with the run (a run of
+    days has hundreds of thousands of entries and saves thousands of times). Only the entries appended
+    since the Recorder's last save are converted, the previous tensor extended with them (a copy at
+    memory speed), once the list is checked to begin with the very objects converted then (identity,
+    at C speed: a replaced, removed or inserted entry, or a new list, converts it all again). Floats are
     immutable; fastai's loss entries are new tensors per batch, never changed afterwards (a loss
     tensor changed in place after a save keeps, in later saves, the value it had then: the README's
     Limits say so)."""
@@ -213,8 +202,6 @@ def _metric_state(m) -> dict:
 
 def set_recorder_state(learn, st: dict) -> None:
     rec = learn.recorder
-    from fastcore.foundation import L
-
     losses = st["losses"]
     lrs = st["lrs"]  # a float64 tensor since schema 3, a list before
     rec.lrs, rec.iters = lrs.tolist() if isinstance(lrs, torch.Tensor) else list(lrs), list(st["iters"])
@@ -273,141 +260,35 @@ def set_train_metrics(learn, st: dict) -> None:
                 m.__dict__[k] = list(v) if isinstance(v, (list, tuple)) else v
 
 
-def cb_key(cbs, cb) -> str:
-    "A name for `cb` that stays the same when the learner is built the same way again."
-    same = [c for c in cbs if type(c) is type(cb)]
-    return cb.name if len(same) == 1 else f"{cb.name}_{same.index(cb)}"
+def opt_state_for(opt, sd: dict) -> dict:
+    """An optimizer state dict read from a checkpoint as the optimizer's own `state_dict()` has it:
+    fastai's `Optimizer` keeps its hyper-parameters in an `L` (what a later `learn.save` pickles)."""
+    if isinstance(sd, dict) and isinstance(sd.get("hypers"), list) and isinstance(getattr(opt, "hypers", None), L):
+        return {**sd, "hypers": L(sd["hypers"])}
+    return sd
 
 
-def _callback_modules() -> tuple:
-    "fastai's tracker, training, fp16, schedule and progress modules, each None if not imported."
-    return tuple(_mod(f"fastai.callback.{m}") for m in ("tracker", "training", "fp16", "schedule", "progress"))
-
-
-def _mod(name):
-    "A fastai module if the user's code has imported it (a callback of it can exist only then)."
-    import sys
-
-    return sys.modules.get(name)
-
-
-# The fields of fastai's callbacks that change what the rest of a fit computes, with their types.
-# Only these are ever set from a file: never a path, a name or anything that decides what is loaded.
-_TRACKER_FIELDS = {"best": (float, int), "wait": (int,), "new_best": (bool,)}
-
-
-def _builtin_state(cb) -> Any:
-    from .trackers import HANDLERS  # read at call time (the trackers' tests swap it)
-
-    for pred, get, _ in HANDLERS:
-        if pred(cb):
-            return get(cb)
-    tracker, training, fp16, sched, progress = _callback_modules()
-    if tracker and isinstance(cb, tracker.TrackerCallback):
-        return {k: plain(getattr(cb, k)) for k in _TRACKER_FIELDS if hasattr(cb, k)}
-    if training and isinstance(cb, training.GradientAccumulation):
-        return {"count": getattr(cb, "count", 0)}
-    if fp16 and isinstance(cb, fp16.MixedPrecision) and hasattr(cb.learn, "scaler"):
-        return {"scaler": plain(cb.learn.scaler.state_dict()), "scales": plain(getattr(cb, "scales", []))}
-    if sched and isinstance(cb, sched.ParamScheduler) and hasattr(cb, "hps"):
-        return {"hps": plain(cb.hps)}
-    if progress and isinstance(cb, progress.CSVLogger) and getattr(cb, "file", None) is not None:
-        cb.file.flush()
-        return {"csv_size": cb.file.tell(), "csv_tail": _csv_tail(cb)}
-    return None
-
-
-def _csv_tail(cb) -> bytes:
-    "What the CSVLogger wrote in this fit (its header and rows), read back from its file."
-    with open(cb.path / cb.fname, "rb") as f:
-        f.seek(cb.resume_file_start)
-        return f.read()
-
-
-def _typed(cb, st: dict, fields: dict) -> None:
-    for k, types in fields.items():
-        if k not in st:
-            continue
-        v = st[k]
-        if not isinstance(v, types) or (bool in types) != isinstance(v, bool):
-            raise CheckpointError(
-                f"callback state {type(cb).__name__}.{k}: {type(v).__name__} in the file, "
-                f"expected {'/'.join(t.__name__ for t in types)}"
-            )
-        setattr(cb, k, v)
-
-
-def _set_builtin_state(cb, st) -> None:
-    from .trackers import HANDLERS
-
-    for pred, _, put in HANDLERS:
-        if pred(cb):
-            return put(cb, st)
-    tracker, training, fp16, sched, progress = _callback_modules()
-    from fastcore.foundation import L
-
-    if fp16 and isinstance(cb, fp16.MixedPrecision):
-        if not isinstance(st.get("scaler"), dict) or not isinstance(st.get("scales"), (list, tuple)):
-            raise CheckpointError("callback state MixedPrecision: expected scaler (dict) and scales (list)")
-        cb.learn.scaler.load_state_dict(st["scaler"])
-        cb.scales = L(st["scales"])
-    elif sched and isinstance(cb, sched.ParamScheduler):
-        hps = st["hps"]
-        if not isinstance(hps, dict) or not all(
-            isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v)
-            for k, v in hps.items()
-        ):
-            raise CheckpointError("callback state ParamScheduler.hps: expected a dict of str: list of numbers")
-        cb.hps = {k: list(v) for k, v in hps.items()}
-    elif training and isinstance(cb, training.GradientAccumulation):
-        _typed(cb, st, {"count": (int,)})
-    elif tracker and isinstance(cb, tracker.TrackerCallback):
-        _typed(cb, st, _TRACKER_FIELDS)
-    elif progress and isinstance(cb, progress.CSVLogger):
-        _continue_csv(cb, st)
-
-
-def _continue_csv(cb, st) -> None:
-    """Make the CSVLogger's file what it was at the save: the bytes before this fit as they are on disk
-    (other fits' rows, with `append=True`), then this fit's header and rows from the checkpoint. The
-    finished epochs' rows are therefore never written twice."""
-    size, tail = st["csv_size"], st["csv_tail"]
-    if not isinstance(size, int) or not isinstance(tail, bytes) or size < len(tail):
-        raise CheckpointError("callback state CSVLogger: csv_size/csv_tail malformed")
-    cb.file.flush()
-    path = cb.path / cb.fname
-    keep = min(size - len(tail), cb.resume_file_start)
-    with open(path, "r+b") as f:
-        f.truncate(keep)
-        f.seek(keep)
-        f.write(tail)
-    cb.file.seek(0, 2)
-
-
-def callback_states(learn) -> dict:
-    """State of the callbacks that change the result. A callback of the user's joins in by
-    defining `resume_state(self) -> tree` and `load_resume_state(self, tree)`."""
-    out = {}
-    for cb in learn.cbs:
-        st = cb.resume_state() if hasattr(cb, "resume_state") else _builtin_state(cb)
-        if st is not None:
-            out[cb_key(learn.cbs, cb)] = plain(st)
-    return out
-
-
-def set_callback_states(learn, states: dict) -> None:
-    for cb in learn.cbs:
-        st = states.get(cb_key(learn.cbs, cb))
-        if st is None:
-            continue
-        if not isinstance(st, dict) and not hasattr(cb, "load_resume_state"):
-            raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)}: {type(st).__name__}, expected a dict")
-        if hasattr(cb, "load_resume_state"):
-            cb.load_resume_state(st)
+def set_grads(model, had, pending) -> None:
+    """Each parameter's gradient as the uninterrupted run had it: `pending` (those of an accumulation in
+    progress) if given, else a zero gradient where `had` says one existed and none where it did not.
+    fastai's optimizer steps every parameter that has a gradient, a frozen one with a zero gradient too
+    (its Adam moments and weight decay go on), so whether a gradient exists is state."""
+    for i, p in enumerate(model.parameters()):
+        has = had[i] if had is not None else p.grad is not None  # (older files: what the process has)
+        if pending is not None:
+            p.grad = None if pending[i] is None else pending[i].to(p.device, copy=True)
+        elif not has:
+            p.grad = None
+        elif p.grad is None:
+            p.grad = torch.zeros_like(p)
         else:
-            try:
-                _set_builtin_state(cb, st)
-            except CheckpointError:
-                raise
-            except (TypeError, KeyError, ValueError, AttributeError, IndexError, RuntimeError) as e:
-                raise CheckpointError(f"callback state {cb_key(learn.cbs, cb)} is malformed: {e!r}") from None
+            p.grad.detach_()
+            p.grad.zero_()
+
+
+def print_row(learn, row) -> None:
+    "Show a finished epoch's row as fastai would, but write it to no CSV file (the file has it already)."
+    logger = learn.logger
+    while is_a(getattr(logger, "__self__", None), "fastai.callback.progress", "CSVLogger"):
+        logger = logger.__self__.old_logger
+    logger(row)

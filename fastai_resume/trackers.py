@@ -9,7 +9,7 @@ at the steps, in the places, the uninterrupted run would have used.
 Each kind has `state(cb) -> tree or None`, called when a checkpoint is taken (`save(with_iter=True)`),
 and `load(cb, tree)`, called when a resumed fit starts, after the callbacks' own `before_fit` (the
 writer / W&B run they open there is what `load` continues). `HANDLERS` lists them as
-`(predicate, state, load)` for the callback-state registry.
+`(predicate, state, load)` for the callback-state registry (`callbacks`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import glob
 import os
 import warnings
 
+from .fastai_classes import is_a
 from .io import CheckpointError
 
 __all__ = ["HANDLERS", "tensorboard_state", "load_tensorboard", "wandb_state", "load_wandb"]
@@ -33,11 +34,6 @@ def _checked(tree, fields: dict, what: str) -> dict:
     if bad:
         raise CheckpointError(f"callback state {what}: {', '.join(bad)} missing or of the wrong type")
     return tree
-
-
-def _is(cb, module: str, name: str) -> bool:
-    "`cb` is an instance of fastai's `module.name`, checked without importing the tracker's package."
-    return any(c.__name__ == name and c.__module__ == module for c in type(cb).__mro__)
 
 
 # ---- TensorBoard ----------------------------------------------------------------------------
@@ -127,6 +123,6 @@ def load_wandb(cb, tree: dict) -> None:
 
 
 HANDLERS = [
-    (lambda cb: _is(cb, "fastai.callback.tensorboard", "TensorBoardCallback"), tensorboard_state, load_tensorboard),
-    (lambda cb: _is(cb, "fastai.callback.wandb", "WandbCallback"), wandb_state, load_wandb),
+    (lambda cb: is_a(cb, "fastai.callback.tensorboard", "TensorBoardCallback"), tensorboard_state, load_tensorboard),
+    (lambda cb: is_a(cb, "fastai.callback.wandb", "WandbCallback"), wandb_state, load_wandb),
 ]

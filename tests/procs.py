@@ -1,11 +1,13 @@
 """Running tests/trainer.py as a real process, and comparing what runs produced."""
 
+import contextlib
 import functools
 import os
 import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 from filelock import FileLock
 from forkserver import Pool
@@ -39,6 +41,34 @@ def wait_for_line(p, prefix) -> list:
         if prefix in line:
             return seen
     raise AssertionError("".join(seen))
+
+
+def descendants(pid) -> list:
+    "`pid` and every process below it (torchrun starts each rank in a session of its own: killpg misses them)."
+    kids: dict = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def kill_job(p) -> None:
+    "SIGKILL the launcher `p` (a Popen) and every process it started, the ranks included, at once; then reap it."
+    for q in descendants(p.pid):
+        try:
+            os.kill(q, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.communicate()
 
 
 def run(path, out, *args, expect_kill=False):
@@ -118,3 +148,21 @@ def crash_and_rerun(tmp_path, pipeline, die, *args, rerun=("--load", "crash"), e
 def assert_same_result(ref, res, keys=("model", "opt", "losses", "lrs", "values", "rng", "csv")):
     for key in keys:
         assert equal(ref[key], res[key]), f"{key} differs from the uninterrupted run"
+
+
+@contextlib.contextmanager
+def tmpfs(folder, size):
+    """A real file system of `size` (mount's syntax: "11m") mounted on `folder` while inside; the test is
+    skipped, saying why, only where mounting is impossible (not root, no CAP_SYS_ADMIN, no mount)."""
+    os.makedirs(folder, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs on {folder}: {e}")
+    if r.returncode:
+        why = r.stderr.decode(errors="replace").strip()
+        pytest.skip(f"cannot mount a tmpfs on {folder} (it needs root or CAP_SYS_ADMIN): {why}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

@@ -1,8 +1,10 @@
 """AutoCheckpoint: SIGKILL at random moments (inside saves too) and autoresume until done ends
 bitwise equal to the uninterrupted run; SIGTERM saves and exits; retention; a full disk."""
 
+import errno
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -10,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from procs import ENV, FORKS, N_ITER, assert_same_run, reference, run, start, trainer_cmd, wait_for_line
+from procs import ENV, FORKS, N_ITER, assert_same_run, reference, run, start, tmpfs, trainer_cmd, wait_for_line
 from trainer import build
 
 import fastai_resume as fr
@@ -58,7 +60,7 @@ def test_random_sigkills_with_autoresume_end_bitwise_equal(tmp_root, tmp_path, t
         had_checkpoint |= bool(good)
     assert_same_run(ref, fr.load(tmp_path / "out.frk"), epochs=2)
     assert not list(models.glob(".*tmp*")), "a killed save's temporary file was left behind"
-    assert len(list(models.glob("auto-*.frk"))) == 2  # keep=2
+    assert len([p for p in models.glob("auto-*.frk") if not p.name.endswith("-end.frk")]) == 2  # keep=2
 
 
 @pytest.mark.slow
@@ -133,13 +135,13 @@ def test_background_saves_retire_old_checkpoints_in_their_writer_thread(tmp_path
         learn.fit(1, 1e-3)
     old = cb.checkpoints()
     assert len(old) == 2
-    old[0].unlink()
-    old[0].mkdir()  # a name of this run that unlink cannot remove (EISDIR)
     calls = []
     real_unlink = Path.unlink
 
     def unlink(self, *a, **k):
         calls.append((self.name, threading.current_thread().name))
+        if self == old[0]:  # a file of this run that cannot be removed
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
         return real_unlink(self, *a, **k)
 
     monkeypatch.setattr(Path, "unlink", unlink)
@@ -156,7 +158,7 @@ def test_background_saves_retire_old_checkpoints_in_their_writer_thread(tmp_path
     assert old[1].name in {n for n, _ in retired} and not old[1].exists()
     assert {t for _, t in retired} == {"fastai_resume-commit"}  # never the training thread
     kept = cb2.checkpoints()
-    assert kept[0] == old[0] and kept[0].is_dir() and len(kept) == 3  # the newest 2, and what could not go
+    assert kept[0] == old[0] and kept[0].is_file() and len(kept) == 3  # the newest 2, and what could not go
     assert [p.name for p in kept[1:]] == [p.name for p in cb2.saved[-2:]]
     blocked = [t for m, t in given if f"could not remove {old[0]}" in m]
     assert blocked and set(blocked) == {"MainThread"}  # one per commit, each given in the training thread
@@ -173,9 +175,9 @@ def test_no_checkpoint_starts_from_the_beginning(tmp_path):
 
 def test_full_disk_during_autosave_is_a_clear_error_and_keeps_previous_checkpoints(tmp_path):
     run(tmp_path, tmp_path / "a.frk", "--auto", "20", "--auto-sync", "--epochs", "3")
-    before = {p.name: p.read_bytes() for p in (tmp_path / "models").glob("auto-*.frk")}
+    before = {p.name: p.read_bytes() for p in (tmp_path / "models").glob("auto-*.frk") if "-end" not in p.name}
     assert len(before) == 2
-    for p in (tmp_path / "models").glob("auto-*.frk"):  # make the next saves bigger than the limit
+    for p in [tmp_path / "models" / n for n in before]:  # make the next saves bigger than the limit
         os.rename(p, p.with_name(p.name.replace("auto-", "old-")))
     proc = FORKS.run(
         trainer_cmd(tmp_path, tmp_path / "b.frk", "--auto", "5", "--ballast-mb", "8", "--fsize-mb", "4"), ENV, 600
@@ -186,3 +188,94 @@ def test_full_disk_during_autosave_is_a_clear_error_and_keeps_previous_checkpoin
     after = {p.name.replace("old-", "auto-"): p.read_bytes() for p in (tmp_path / "models").glob("old-*.frk")}
     assert after == before
     assert not list((tmp_path / "models").glob(".*tmp*"))
+
+
+# A checkpoint of tests/trainer.py with --ballast-mb 4 takes 4.38 MB: an 11 MiB disk holds two and
+# a half, a 6 MiB disk one and a half.
+FULL_DISK = ("--epochs", "2", "--auto", "5", "--ballast-mb", "4", "--show-warnings")
+NOTICE = re.compile(
+    r"AutoCheckpoint: the disk is full \(No space left on device\): (?P<name>\S+) needs (?P<needed>[\d,]+) bytes "
+    r"\((?P<free>[\d,]+) free\) in (?P<folder>\S+); removed this run's older checkpoint (?P<removed>\S+) "
+    r"\((?P<removed_bytes>[\d,]+) bytes\) to make room, and saves again (?P<then>now|at the next batch)$"
+)
+
+
+def _int(s):
+    return int(s.replace(",", ""))
+
+
+@pytest.mark.parametrize("mode", ["background", "sync"])
+def test_a_full_disk_says_so_once_per_occurrence_with_the_room_needed_and_what_was_removed(tmp_path, mode):
+    """keep=2 (tests/trainer.py's) on a real disk that holds two and a half checkpoints: every save after
+    the second finds it full, removes this run's older checkpoint and saves again; each time a printed
+    line says so (the environment ignores warnings, as a notebook's may) and a warning with the same
+    words, naming the folder, the checkpoint's size and what was removed."""
+    with tmpfs(tmp_path / "disk", "11m") as disk:
+        out = run(disk, tmp_path / "out.frk", *FULL_DISK, *(("--auto-sync",) if mode == "sync" else ()))
+        models = disk / "models"
+        files = sorted(models.glob("auto-*.frk"))
+        sizes = [p.stat().st_size for p in files]
+        for p in files:
+            fr.info(p, verify=True)
+        temps = list(models.glob(".*tmp*"))
+    lines = out.splitlines()
+    printed = [ln for ln in lines if ln.startswith("AutoCheckpoint: the disk is full")]
+    warned = [ln[len("WARNING: ") :] for ln in lines if ln.startswith("WARNING: AutoCheckpoint: the disk is full")]
+    assert len(printed) >= 10, out  # ~18 saves, the first two fit
+    assert printed == warned  # each occurrence: one printed line, one warning, the same words
+    notices = [NOTICE.match(ln) for ln in printed]
+    assert all(notices), printed
+    assert len({m["name"] for m in notices}) == len(notices)  # no save announced twice
+    for m in notices:
+        assert m["folder"] == str(models)
+        last = m["name"].endswith("-e000002-i0000000000.frk")  # the fit's last save is synchronous in both modes
+        assert m["then"] == ("now" if mode == "sync" or last else "at the next batch")
+        needed, free = _int(m["needed"]), _int(m["free"])
+        assert needed > free and all(abs(needed - n) < 0.001 * n for n in sizes), (m[0], sizes)  # its size
+        assert abs(_int(m["removed_bytes"]) - needed) < 0.001 * needed  # one checkpoint of this run
+        assert m["removed"] != m["name"] and re.fullmatch(r"auto-\w+-g000-s000-f00-e\d{6}-i\d{10}\.frk", m["removed"])
+        assert m["removed"] not in [p.name for p in files]
+    # the fit's end was saved, and the run ends with the two newest checkpoints
+    assert [p.name.split("-")[-2:] for p in files][-1] == ["e000002", "i0000000000.frk"] and len(files) == 2
+    assert temps == []
+
+
+@pytest.mark.parametrize("mode", ["background", "sync"])
+def test_a_full_disk_with_nothing_left_to_remove_is_an_error_that_says_what_to_do(tmp_path, mode):
+    "A disk that holds one checkpoint and a half: the second save has nothing of this run's to remove."
+    with tmpfs(tmp_path / "disk", "6m") as disk:
+        p = FORKS.run(
+            trainer_cmd(disk, tmp_path / "out.frk", *FULL_DISK, *(("--auto-sync",) if mode == "sync" else ())),
+            ENV,
+            600,
+        )
+        models = disk / "models"
+        files = sorted(models.glob("auto-*.frk"))
+        sizes = [f.stat().st_size for f in files]
+        for f in files:
+            fr.info(f, verify=True)
+        temps = list(models.glob(".*tmp*"))
+    assert p.returncode != 0, p.stdout
+    assert len(files) == 1 and temps == []  # the first checkpoint is intact, nothing is left behind
+    err = p.stderr.splitlines()[-1]
+    m = re.fullmatch(
+        r"OSError: \[Errno 28\] AutoCheckpoint: the disk is full \(No space left on device\): (\S+) needs ([\d,]+) "
+        r"bytes \(([\d,]+) free\) in (\S+), and this run has nothing left to remove there \(its newest checkpoint "
+        r"(\S+) stays; other files are never touched\)\. Free space on that disk, or give the Learner a path "
+        r"\(or model_dir\) on a larger one, then run the script again: it resumes from (\S+)\. The previous "
+        r"checkpoints are intact\.",
+        err,
+    )
+    assert m, err
+    name, needed, free, folder, kept, resumes = m.groups()
+    assert folder == str(models) and kept == resumes == files[0].name and name > kept
+    assert _int(needed) > _int(free) and abs(_int(needed) - sizes[0]) < 0.001 * _int(needed)
+    assert "AutoCheckpoint: the disk is full" not in p.stdout  # nothing was removed: no notice of a retry
+
+
+def test_the_lock_file_is_gone_when_the_script_ends(tmp_path):
+    "A killed run leaves its lock file (the lock itself dies with it); the rerun takes it over, and removes it at its end."
+    run(tmp_path, tmp_path / "a.frk", "--auto", "10", "--epochs", "1", "--die-at", "0,20", expect_kill=True)
+    assert list((tmp_path / "models").glob(".auto-*.lock"))
+    run(tmp_path, tmp_path / "b.frk", "--auto", "10", "--epochs", "1")
+    assert not list((tmp_path / "models").glob(".auto-*.lock"))

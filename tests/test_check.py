@@ -25,6 +25,21 @@ def test_check_passes_a_clean_multi_stage_script_and_kills_it_in_a_late_stage(tm
     assert not list((tmp_path / "models").glob("fastai_resume_check*"))
 
 
+def test_check_passes_a_script_that_saves_loads_validates_and_runs_lr_find_between_its_stages(tmp_path):
+    "The fastai book's pattern (save('1epoch'), load('1epoch'), then the next stage) among others: exact."
+    args = ["block", "--path", str(tmp_path), "--out", str(tmp_path / "o.frk"), "--recipe", "five"]
+    r = check(WORKLOADS, args, batches=4, cwd=tmp_path, kill_at=(3, 0, 2))
+    assert r.ok, r.message
+
+
+def test_check_names_a_between_stage_load_that_goes_another_way_in_the_rerun(tmp_path):
+    """A script whose between-stage load depends on what its folder holds loads another file once the
+    folder has more in it: the check names that load, not the RNG or data it changes afterwards."""
+    args = ["block", "--path", str(tmp_path), "--out", str(tmp_path / "o.frk"), "--recipe", "five", "--branch-on-files"]
+    r = check(WORKLOADS, args, batches=4, cwd=tmp_path, kill_at=(3, 0, 2))
+    assert not r.ok and r.message.startswith("between stages (after stage 1): load of stage1.pth differs"), r.message
+
+
 def test_check_finds_a_planted_divergence_and_names_it(tmp_path):
     r = check(
         WORKLOADS,

@@ -103,7 +103,7 @@ def test_export_works_during_a_fit_and_after_an_interrupted_one_and_carries_noth
         exported = load_learner(tmp_path / name)
         assert not any(isinstance(c, fr.ResumeSession) for c in exported.cbs)
     assert learn.opt is not None and len(learn.dls.train) > 0  # the learner still trains
-    assert not any(isinstance(c, fr.ResumeSession) for c in learn.cbs) and fr.session.script(learn).session is None
+    assert not any(isinstance(c, fr.ResumeSession) for c in learn.cbs) and fr.script.script(learn).session is None
 
 
 def test_a_learner_exported_after_loading_a_mid_fit_checkpoint_is_not_armed(tmp_path):
@@ -113,4 +113,4 @@ def test_a_learner_exported_after_loading_a_mid_fit_checkpoint_is_not_armed(tmp_
     fresh.load("ck")
     fresh.export("armed.pkl")
     loaded = load_learner(tmp_path / "armed.pkl")
-    assert fr.session.script(loaded).armed is None and fr.session.script(fresh).armed is not None
+    assert fr.script.script(loaded).armed is None and fr.script.script(fresh).armed is not None

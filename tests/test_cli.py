@@ -6,14 +6,17 @@ stderr that names the file and says what is wrong, with exit status 2 and no tra
 prints one line per file and exits 1 when a file is not a valid checkpoint.
 """
 
+import json
 import os
 import random
 import subprocess
 import sys
 import zipfile
 
+import numpy as np
 import pytest
 import torch
+from test_hostile import Child, crashed, hostile_cases, pickle_files
 from test_resume_rules import StopAt
 from trainer import build
 
@@ -321,6 +324,186 @@ def test_the_installed_script_is_as_quiet(ckpt, tmp_path):
     script.write_text("import sys\nfrom fastai_resume.__main__ import main\nsys.exit(main())\n")
     p = subprocess.run([sys.executable, str(script), "verify", str(ckpt)], capture_output=True, text=True, env=ENV)
     assert (p.returncode, p.stdout, p.stderr) == (0, f"OK   {ckpt}\n", "")
+
+
+# ---- hostile files through every command ----------------------------------------------------------
+
+_DROP = object()
+
+
+def _put(node, path, value):
+    "`node` with the value at `path` replaced by `value` (or removed: `_DROP`); only the containers on the path are new."
+    if not path:
+        return value
+    k, rest = path[0], path[1:]
+    if isinstance(node, dict):
+        out = dict(node)
+        if rest or value is not _DROP:
+            out[k] = _put(node[k], rest, value)
+        else:
+            del out[k]
+        return out
+    items = list(node)
+    items[k] = _put(node[k], rest, value)
+    return type(node)(items)
+
+
+def _wrong(v):
+    "A value of another kind where `v` was: a list for a dict, a dict for a list, a str for a number, ..."
+    if isinstance(v, dict):
+        return list(v.values())
+    if isinstance(v, (list, tuple)):
+        return dict(enumerate(v))
+    if isinstance(v, torch.Tensor):
+        return v.reshape(-1)[:8].tolist()
+    if isinstance(v, np.ndarray):
+        return torch.from_numpy(v.copy())  # a tensor where an array was
+    if isinstance(v, str):
+        return 7
+    if v is None:
+        return "None"
+    return str(v)  # bool, int, float
+
+
+def tree_mutations(tree):
+    """(name, tree) for each change of one node of a Learner checkpoint's training state to another kind
+    (every field, in lists of fewer than 50 items), each removal of a dict's field, and the top level's."""
+    train = tree["train"]
+    out = [
+        ("tree_is_a_list", list(tree.values())),
+        ("train_is_a_list", _put(tree, ("train",), list(train.values()))),
+        ("model_is_a_list", _put(tree, ("model",), list(tree["model"].values()))),
+        ("opt_is_a_list", _put(tree, ("opt",), [tree["opt"]])),
+        ("schema_is_a_str", _put(tree, ("fastai_resume",), "3")),
+        ("schema_is_a_bool", _put(tree, ("fastai_resume",), True)),
+        ("schema_from_the_future", _put(tree, ("fastai_resume",), 99)),
+        ("no_schema", _put(tree, ("fastai_resume",), _DROP)),
+    ]
+
+    def walk(v, path, parent_is_dict):
+        if path:
+            name = "train" + "".join(f"[{k!r}]" for k in path)
+            out.append(
+                (f"{name}={type(v).__name__}->{type(_wrong(v)).__name__}", _put(tree, ("train", *path), _wrong(v)))
+            )
+            if parent_is_dict:
+                out.append((f"{name}:removed", _put(tree, ("train", *path), _DROP)))
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, (*path, k), True)
+        elif isinstance(v, (list, tuple)) and len(v) < 50:
+            for i, x in enumerate(v):
+                walk(x, (*path, i), False)
+
+    walk(train, (), False)
+    return out
+
+
+CLI_FUZZ_CHILD = r"""
+import contextlib, io, traceback, warnings
+from fastai_resume import checkpoint
+from fastai_resume.__main__ import main
+cases, scratch = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+for name, path in cases:
+    print("CASE " + name, flush=True)  # a crash leaves this as the last line
+    try:
+        checkpoint.read(path)  # what learn.load checks before it looks at the learner
+        loads = "ok"
+    except fr.CheckpointError:
+        loads = "refused"
+    except BaseException as e:
+        loads = "load raised " + type(e).__name__ + ": " + str(e)[:300]
+    runs = {}
+    for cmd in (["inspect", path], ["verify", path], ["convert", path, scratch]):
+        out, err = io.StringIO(), io.StringIO()
+        with warnings.catch_warnings(record=True) as seen, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            warnings.simplefilter("always")
+            try:
+                rc = main(cmd)  # what `python -m fastai_resume` runs: sys.exit(main())
+            except SystemExit as e:
+                rc = e.code
+            except BaseException:
+                rc = None  # an interpreter would print this traceback and exit 1
+                err.write(traceback.format_exc())
+        for w in seen:
+            err.write(f"{w.category.__name__}: {w.message}\n")
+        runs[cmd[0]] = [rc, out.getvalue()[-300:], err.getvalue()[-3000:]]
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    print("R " + json.dumps([name, loads, runs]), flush=True)
+emit("done")
+"""
+
+
+def test_every_command_treats_a_files_tree_as_untrusted(ckpt, tmp_path):
+    """The hostile files `load` is tested with (tests/test_hostile.py's: structure with valid checksums,
+    pickle payloads) and a real mid-fit checkpoint with each field of its training state changed to
+    another kind or removed, through inspect, verify and convert: never a traceback, a warning or an
+    error of more than one line; a tree `load` refuses is BAD for verify and exit 2 for the others,
+    one `load` accepts is shown and converted as it is."""
+    want = {}  # name -> (path, expected exit status of inspect, verify, convert); None: as load decides
+    for name, (data, (kind, _)) in hostile_cases().items():
+        p = tmp_path / f"format-{name}.frk"
+        p.write_bytes(data)
+        want[f"format-{name}"] = (p, (2, 1, 2) if kind == "corrupt" else (0, 0, 2))  # controls: not a Learner's
+    (tmp_path / "pickles").mkdir()
+    marker, files, _ = pickle_files(tmp_path / "pickles")
+    for name, p in files.items():
+        want[f"pickle-{name}"] = (p, (0, 0, 2) if name == "valid_with_pickles" else (2, 1, 2))
+    tree = fr.load(ckpt)
+    for i, (name, t) in enumerate(tree_mutations(tree)):
+        p = tmp_path / f"tree-{i}.frk"
+        fr.save(t, p)
+        want[f"tree-{name}"] = (p, (0, 0, 2) if name == "tree_is_a_list" else None)
+    listing = tmp_path / "cases.json"
+    listing.write_text(json.dumps([[name, str(p)] for name, (p, _) in want.items()]))
+    child = Child("cli-fuzz", CLI_FUZZ_CHILD, listing, tmp_path / "converted", workdir=tmp_path)
+    rc, res, out, stdout = child.result(timeout=600)
+    assert rc == 0 and res == "done", crashed(rc, out)
+    results = {
+        name: (loads, runs)
+        for name, loads, runs in (json.loads(ln[2:]) for ln in stdout.splitlines() if ln.startswith("R "))
+    }
+    assert set(results) == set(want)
+    refused, wrong = 0, []
+    for name, (path, expected) in want.items():
+        loads, runs = results[name]
+        if loads not in ("ok", "refused"):  # load's own checks raise nothing else
+            wrong.append(f"{name}: load: {loads}")
+        if expected is None:  # a Learner checkpoint: the tool refuses what load refuses, and only that
+            expected = (2, 1, 2) if loads == "refused" else (0, 0, 0)
+            refused += loads == "refused"
+        for cmd, status in zip(("inspect", "verify", "convert"), expected):
+            code, cmd_out, err = runs[cmd]
+            lines = err.splitlines()
+            if code != status or "Traceback" in err:
+                wrong.append(f"{name}: {cmd} exited {code}, expected {status}: {(err or cmd_out)[-600:]}")
+            elif status == 2 and not (
+                len(lines) == 1 and lines[0].startswith(f"fastai-resume {cmd}: error: ") and str(path) in lines[0]
+            ):
+                wrong.append(f"{name}: {cmd}: not one error line naming the file: {err}")
+            elif status != 2 and err:
+                wrong.append(f"{name}: {cmd}: wrote to stderr: {err}")
+            elif cmd == "verify" and not cmd_out.startswith(("OK   " if status == 0 else "BAD  ") + str(path)):
+                wrong.append(f"{name}: verify: {cmd_out}")
+    assert not wrong, f"{len(wrong)} wrong:\n" + "\n".join(wrong)
+    assert results["tree-train_is_a_list"][0] == "refused"  # the case the issue found
+    assert refused > 100  # most changes of a training state's shape are refused, each one by every command
+    assert not os.path.exists(marker)  # no payload ran
+
+
+def test_a_training_state_that_is_a_list_is_one_error_line_for_every_command(ckpt, tmp_path):
+    "The issue's file, through the tool as a user runs it: a valid file whose training state is a list."
+    tree = fr.load(ckpt)
+    tree["train"] = list(tree["train"].values())
+    bad = tmp_path / "list.frk"
+    fr.save(tree, bad)
+    reason = f"{bad}: malformed training state: train: expected a dict, got list"
+    for args in (("inspect", bad), ("convert", bad, tmp_path / "o.pth")):
+        rc, out, err = cli(*args)
+        assert (rc, out) == (2, "") and one_error_line(err, args[0]) == reason
+    assert cli("verify", bad) == (1, f"BAD  {bad}: malformed training state: train: expected a dict, got list\n", "")
+    assert sorted(os.listdir(tmp_path)) == ["list.frk"]
 
 
 @pytest.mark.slow

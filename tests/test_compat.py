@@ -3,7 +3,6 @@ installed fastai changes a function the package replaces or relies on. `make com
 and the exactness tests once per release in `compat.TESTED_FASTAI`."""
 
 import os
-import re
 import shutil
 import warnings
 
@@ -53,19 +52,67 @@ def test_tested_fastai_versions_do_not_warn(version):
         assert compat.check_fastai_version(version) is True
 
 
-def test_pyproject_claims_exactly_the_tested_fastai_range():
-    text = open(os.path.join(ROOT, "pyproject.toml")).read()
-    lo, hi = compat.TESTED_FASTAI[0], compat.TESTED_FASTAI[-1]
-    major, minor, patch = map(int, hi.split("."))
-    assert f'"fastai>={lo},<{major}.{minor}.{patch + 1}"' in text
+def _dependencies():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    return project, {r.name: r for r in map(Requirement, project["dependencies"])}
 
 
-def test_pyproject_python_range_is_the_tested_python():
+def test_pyproject_claims_the_oldest_tested_fastai_and_no_upper_bound_on_any_dependency():
+    """A newer fastai, fastcore or torch installs (fastai's then warns, above): no dependency of the
+    package caps a release, so installing it never downgrades a user's fastai or torch."""
+    project, deps = _dependencies()
+    assert str(deps["fastai"].specifier) == f">={compat.TESTED_FASTAI[0]}"
+    assert {"fastai", "fastcore", "torch", "numpy"} <= set(deps)
+    for r in deps.values():
+        assert all(s.operator == ">=" for s in r.specifier), r
+    assert project["requires-python"] == ">=3.11"
+
+
+def test_the_running_python_is_one_pyproject_claims():
     import sys
 
-    text = open(os.path.join(ROOT, "pyproject.toml")).read()
-    (spec,) = re.findall(r'requires-python = "([^"]+)"', text)
-    assert spec == ">=3.11,<3.12" and sys.version_info[:2] == (3, 11)
+    project, _ = _dependencies()
+    claimed = [
+        c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
+    ]
+    assert f"{sys.version_info[0]}.{sys.version_info[1]}" in claimed
+
+
+def test_the_package_under_test_is_the_installed_wheel():
+    """`make matrix` installs the built wheel into a clean venv and runs this file from a copy of the
+    checkout without the package: here, and in a child started as the CLI tests start theirs
+    (PYTHONPATH = the checkout), `fastai_resume` is the wheel's, from the venv's site-packages."""
+    import importlib.metadata as md
+    import subprocess
+    import sys
+    import sysconfig
+
+    import fastai_resume
+    from fastai_resume import _core
+
+    wheel = os.environ.get("FRK_MATRIX_WHEEL")
+    if wheel is None:
+        pytest.skip("not under make matrix")
+    site = os.path.realpath(sysconfig.get_paths()["platlib"])
+    assert not os.path.exists(os.path.join(ROOT, "fastai_resume"))
+    for f in (fastai_resume.__file__, _core.__file__):
+        assert os.path.realpath(f).startswith(site + os.sep), f
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    assert os.path.basename(wheel).startswith(f"fastai_resume-{fastai_resume.__version__}-{tag}-{tag}-")
+    assert md.version("fastai-resume") == fastai_resume.__version__
+    child = subprocess.run(
+        [sys.executable, "-c", "import fastai_resume._core as c; print(c.__file__)"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        check=True,
+    )
+    assert os.path.realpath(child.stdout.strip()) == os.path.realpath(_core.__file__)
 
 
 def test_fastai_functions_the_package_replaces_are_unchanged():

@@ -749,7 +749,9 @@ emit(out)
 """
 
 
-def prepare_pickle(tmp_path):
+def pickle_files(tmp_path):
+    """Files that carry a pickle payload which, unpickled, creates `marker`: (marker, {name: path},
+    the tree of the one valid checkpoint among them, whose str and bytes values are pickles)."""
     marker = str(tmp_path / "PWNED")
     evil = _Evil(marker)
     p4 = pickle.dumps((evil, b"x" * 300), protocol=4)
@@ -776,7 +778,11 @@ def prepare_pickle(tmp_path):
     fr.save(tree, tmp_path / "valid_with_pickles.frk")
     files["valid_with_pickles"] = str(tmp_path / "valid_with_pickles.frk")
     assert not os.path.exists(marker)
+    return marker, files, tree
 
+
+def prepare_pickle(tmp_path):
+    marker, files, tree = pickle_files(tmp_path)
     listing = tmp_path / "listing.json"
     listing.write_text(json.dumps(list(files.items())))
     child = Child("pickle", PICKLE_CHILD, marker, listing, workdir=tmp_path)

@@ -41,7 +41,7 @@ def test_vanilla_fastai_pth_still_loads_exactly_as_fastai_loads_it(tmp_path):
     fresh = build(tmp_path)
     fresh.load("plain")
     assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
-    assert fr.session.script(fresh).armed is None
+    assert fr.script.script(fresh).armed is None
 
 
 def test_format_is_detected_by_magic_not_by_name(tmp_path):
@@ -79,7 +79,7 @@ def test_save_outside_fit_carries_no_position(tmp_path):
     assert fr.load(tmp_path / "models" / "m.frk")["train"] is None
     fresh = build(tmp_path)
     fresh.load("m")
-    assert fr.session.script(fresh).armed is None
+    assert fr.script.script(fresh).armed is None
     with fresh.no_bar(), fresh.no_logging():
         fresh.fit(1, 1e-3)
     assert len(fresh.recorder.losses) == len(fresh.dls.train)  # nothing skipped
@@ -279,3 +279,93 @@ def test_a_vanilla_pth_renamed_frk_loads_by_its_magic_bytes(tmp_path):
     fresh = build(tmp_path)
     fresh.load("x")
     assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
+
+
+def _in_fit_checkpoint(tmp_path, name="m"):
+    "A checkpoint saved mid-fit (it holds a position), and the learner that saved it."
+    from fastai.callback.core import Callback, CancelFitException
+
+    class SaveMidFit(Callback):
+        order = 100
+
+        def after_batch(self):
+            if self.training and self.iter == 4:
+                self.learn.save(name, with_iter=True)
+                raise CancelFitException()
+
+    learn = build(tmp_path)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=SaveMidFit())
+    return learn
+
+
+def test_a_subclass_whose_own_load_reads_the_file_itself_never_gets_our_file_and_is_warned(tmp_path):
+    """A Learner subclass (like fastai's TextLearner) with its own `load` that opens the file with a pickle
+    load: our checkpoint is loaded by fastai_resume (validated, the resume armed), with a warning naming
+    the class; a `.pth` file still goes to the subclass's own method."""
+    from fastai.learner import Learner
+
+    opened = []
+
+    class PickleLoader(Learner):
+        def load(self, file, with_opt=None, device=None, **kwargs):
+            opened.append(file)
+            state = torch.load(self.path / self.model_dir / f"{file}.pth", weights_only=False)
+            self.model.load_state_dict(state["model"])
+            return self
+
+    learn = _in_fit_checkpoint(tmp_path)
+    fresh = build(tmp_path)
+    fresh.__class__ = PickleLoader
+    with pytest.warns(UserWarning, match="PickleLoader.load is its own and does not call Learner.load"):
+        fresh.load("m")
+    assert opened == [] and fr.script.script(fresh).armed is not None
+    assert tensors_equal(learn.model.state_dict(), fresh.model.state_dict())
+    learn.save("plain")
+    fresh.load("plain")
+    assert opened == ["plain"]
+
+
+def test_a_subclass_whose_load_calls_super_gets_the_resume_arguments_through(tmp_path):
+    from fastai.learner import Learner
+
+    class Polite(Learner):
+        def load(self, file, with_opt=None):  # passes neither resume nor fast_forward on
+            return super().load(file, with_opt=with_opt)
+
+    _in_fit_checkpoint(tmp_path)
+    fresh = build(tmp_path)
+    fresh.__class__ = Polite
+    fresh.load("m", resume=False)
+    assert fr.script.script(fresh).armed is None
+    fresh.load("m")
+    assert fr.script.script(fresh).armed is not None
+
+
+def test_a_subclass_save_that_drops_with_iter_is_refused_loudly(tmp_path):
+    from fastai.callback.core import Callback, CancelFitException
+    from fastai.learner import Learner
+
+    class Dropper(Learner):
+        def save(self, file, **kwargs):
+            return super().save(file)  # with_iter never reaches Learner.save
+
+    learn = build(tmp_path)
+    learn.__class__ = Dropper
+    errors = []
+
+    class SaveMidFit(Callback):
+        order = 100
+
+        def after_batch(self):
+            if self.training and self.iter == 2:
+                try:
+                    self.learn.save("d", with_iter=True)
+                except fr.CheckpointError as e:
+                    errors.append(str(e))
+                raise CancelFitException()
+
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=SaveMidFit())
+    assert errors and "Dropper.save did not pass with_iter=True on to Learner.save" in errors[0]
+    assert not (tmp_path / "models" / "d.frk").exists()

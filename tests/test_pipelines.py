@@ -41,6 +41,22 @@ def test_stream_with_state_dict_continues_from_its_state(tmp_root, tmp_path):
     assert_same_result(ref, res)
 
 
+def test_a_fastai_stream_of_n_items_per_epoch_continues_and_trains_only_the_epochs_remaining_batches(
+    tmp_root, tmp_path
+):
+    ref = workload_reference(tmp_root, "stream-fastai")
+    res, log = crash_and_rerun(tmp_path, "stream-fastai", "0,1,5")
+    assert "stream state, remaining batches" in log
+    assert_same_result(ref, res)
+
+
+def test_sorted_dl_whose_shuffle_returns_an_iterator_resumes_exactly(tmp_root, tmp_path):
+    ref = workload_reference(tmp_root, "sorted")
+    res, log = crash_and_rerun(tmp_path, "sorted", "0,1,6")
+    assert "iteration 6/" in log and "index list" in log
+    assert_same_result(ref, res)
+
+
 def test_stream_without_state_is_refused_with_the_options(tmp_path):
     _, log = crash_and_rerun(tmp_path, "stream-nostate", "0,1,5", expect=1)
     assert "state_dict()/load_state_dict()" in log and "fast_forward=True" in log and "start_iter=0" in log

@@ -1,13 +1,17 @@
-"""The README is a contract: its Python blocks run as written, and every test it cites exists.
+"""The README and the pages of docs/ are a contract: their Python blocks run as written, every test
+they cite exists, and every page they link to is there.
 
 Each Python block runs as a new process in a fresh temporary working directory (so fastai's default
-relative paths are the user's), after a prelude that supplies only what the README leaves to the
+relative paths are the user's), after a prelude that supplies only what the text leaves to the
 user's own script: their data (`dls`), their `model`, and fastai's `Learner` and `accuracy`. A
 block whose first line says it is launched by `torchrun` is launched that way, with 2 processes on
-the CPU. What a block promises beyond running is checked by its section's entry in `PROMISES`.
+the CPU. What a block promises beyond running is checked by its section's entry in `PROMISES`; a
+block whose first line says `# tested as tests/...` is that test's script (it needs data the prelude
+does not have) and is checked there.
 
-A README sentence cites the test that proves it as `` `tests/test_x.py::test_name` `` (or a whole
-file as `` `tests/test_x.py` ``); a citation of a test that does not exist fails here.
+A sentence cites the test that proves it as `` `tests/test_x.py::test_name` `` (or a whole file as
+`` `tests/test_x.py` ``); a citation of a test that does not exist fails here. docs/claims.md lists
+the README's claims with their tests.
 """
 
 import ast
@@ -23,6 +27,7 @@ import fastai_resume as fr
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+PAGES = {"README.md": README, **{f"docs/{p.name}": p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}}
 ENV = dict(
     os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1"
 )  # CPU: the README's `cpu=True`
@@ -83,15 +88,19 @@ def missing_tests(text, root=ROOT):
             yield m.group(0).strip("`")
 
 
-def _models(cwd):
-    "The checkpoint files in models/ (not AutoCheckpoint's hidden lock file)."
-    return sorted(p.name for p in (cwd / "models").iterdir() if not p.name.startswith("."))
+def _models(cwd, ends=False):
+    """The checkpoint files in models/ (not AutoCheckpoint's hidden lock file); `ends`: the stages' end
+    states (`fastai_resume.between`) instead of the checkpoints."""
+    return sorted(
+        p.name for p in (cwd / "models").iterdir() if not p.name.startswith(".") and p.name.endswith("-end.frk") == ends
+    )
 
 
 def quick_start(cwd, out):
-    "AutoCheckpoint keeps the newest 3; the manual save is a valid checkpoint under models/."
-    names = _models(cwd)
-    assert len([n for n in names if n.startswith("auto-")]) == 3 and "ckpt.frk" in names, names
+    "AutoCheckpoint keeps the newest 3 of the run and each stage's end state; every file verifies."
+    names, ends = _models(cwd), _models(cwd, ends=True)
+    assert len([n for n in names if n.startswith("auto-")]) == 3, names
+    assert ends and all(n.startswith("auto-") for n in ends), ends  # each stage's end state, for a rerun
     for n in names:
         fr.info(cwd / "models" / n, verify=True)
 
@@ -105,19 +114,35 @@ def data_parallel(cwd, out):
 
 
 def several_stages(cwd, out):
-    "Three stages, AutoCheckpoint's newest 3 of the run, and the CSV history of every stage."
+    "Three stages, AutoCheckpoint's newest 3 of the run, each stage's end, the CSV history of every stage."
     names = [n for n in _models(cwd) if n.startswith("auto-")]
     assert len(names) == 3 and any("-s002-" in n for n in names), names
+    assert [n[-12:] for n in _models(cwd, ends=True)] == ["s000-end.frk", "s001-end.frk", "s002-end.frk"]
     assert (cwd / "history.csv").read_text().count("epoch,") >= 3
 
 
+def sharded_training(cwd, out):
+    "Each checkpoint a folder: a manifest and one file per rank, verified as a whole; the default keep=3 holds."
+    names = [n for n in _models(cwd) if n.startswith("auto-")]
+    assert len(names) == 3 and all((cwd / "models" / n / "manifest.frk").is_file() for n in names), names
+    for n in names:
+        assert len(list((cwd / "models" / n).iterdir())) == 3  # the manifest and 2 ranks' files
+        fr.sharded.verify(cwd / "models" / n)
+
+
 PROMISES = {
+    "Training": sharded_training,
     "Quick start": quick_start,
     "A script of several stages": several_stages,
     "Data-parallel training (DDP through `distrib_ctx`)": data_parallel,
 }
 KNOWN_FAILURES: dict = {}  # section: why its block fails today (strict: the marker goes when the README is fixed)
-PYTHON_BLOCKS = [(h, code) for h, lang, code in code_blocks(README) if lang == "python"]
+PYTHON_BLOCKS = [
+    (h, code)
+    for text in PAGES.values()
+    for h, lang, code in code_blocks(text)
+    if lang == "python" and not code.startswith("# tested as tests/")
+]
 
 
 def launched_by_torchrun(code: str) -> bool:
@@ -150,14 +175,24 @@ def test_the_readme_python_block_runs_as_written(heading, code, tmp_path):
 
 
 def test_the_readme_has_the_python_blocks_this_file_knows():
-    "A block added, renamed or removed in the README is noticed here."
-    assert [h for h, _ in PYTHON_BLOCKS] == list(PROMISES)
+    "A block added, renamed or removed in the README or docs/ is noticed here."
+    assert sorted(h for h, _ in PYTHON_BLOCKS) == sorted(PROMISES)
 
 
-def test_every_test_the_readme_cites_exists():
-    cited = re.findall(r"`tests/[^`]+`", README)
-    assert cited, "the README cites no test"
-    assert list(missing_tests(README)) == []
+@pytest.mark.parametrize("page", list(PAGES))
+def test_every_test_the_readme_and_the_docs_cite_exists(page):
+    assert list(missing_tests(PAGES[page])) == []
+
+
+def test_the_claims_table_cites_a_test_for_each_claim_and_the_readme_links_to_pages_that_exist():
+    claims = PAGES["docs/claims.md"]
+    rows = [line for line in claims.splitlines() if line.startswith("| ") and not line.startswith("| claim")]
+    assert len(rows) >= 10 and all(re.search(r"`tests/[^`]+`", row) for row in rows), "a claim without its test"
+    for page, text in PAGES.items():
+        for link in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)\)", text):
+            target = (ROOT / link) if page == "README.md" else (ROOT / "docs" / link)
+            assert target.is_file(), f"{page} links to {link}, which is not there"
+    assert len(README.splitlines()) < 200, "the README is a guide: details go to docs/"
 
 
 def test_a_citation_of_a_missing_test_is_found(tmp_path):

@@ -175,6 +175,10 @@ def test_skip_state_machine_directly():
     assert not s.pending and s.before_epoch(3) == (0, 0, 0)
     s.arm(1, 0, 4, 10)
     assert s.before_epoch(1) == (2, 1, 0)  # at an epoch boundary: the saved RNG state at once
+    assert not s.after_last_epoch()
+    s.arm(4, 0, 4, 10)  # the fit's very end: no epoch resumes, the saved state is due after the last
+    assert all(s.before_epoch(e) == (1, 0, 0) for e in range(4)) and s.take_rng() is False
+    assert s.after_last_epoch() is True and s.after_last_epoch() is False and not s.pending
     with pytest.raises(ValueError, match="batch 11 of an epoch of 10"):
         s.arm(1, 11, 4, 10)
     assert _core.skip_plan(True, 2, 5, -1, -1) == (2, 5)

@@ -4,7 +4,9 @@ SIGKILL in each stage and run again unchanged, ends bitwise equal to the uninter
 file included; a changed script is refused with what differs."""
 
 import pytest
-from procs import assert_same_result, crash_and_rerun, workload_reference
+from procs import assert_same_result, crash_and_rerun, run_workload, workload_reference
+
+import fastai_resume as fr
 
 STAGES = ("--recipe", "stages")
 
@@ -94,3 +96,73 @@ def test_a_new_autocheckpoint_given_to_each_fit_call_is_one_run_uninterrupted_an
     res, log = crash_and_rerun(tmp_path, "digits", "2,0,6", *args, rerun=())
     assert log.count("AutoCheckpoint: found") == 1 and "skipping stage 1 (fit_one_cycle)" in log
     assert_same_result(ref, res)
+
+
+FIVE = ("--recipe", "five")
+FIVE_KILLS = {"stage-0": "0,0,10", "stage-1": "1,1,5", "stage-2": "2,0,8", "stage-3": "3,0,12", "stage-4": "4,0,6"}
+FIVE_WAYS = {"load": ("--save-every", "4"), "auto": ("--auto", "4")}
+FIVE_FAST = {("stage-2", "load"), ("stage-4", "auto")}  # `make quick` runs these; the others are marked slow
+
+
+@pytest.mark.parametrize(
+    "where, how",
+    [pytest.param(w, h, marks=() if (w, h) in FIVE_FAST else pytest.mark.slow) for w in FIVE_KILLS for h in FIVE_WAYS],
+)
+def test_a_five_stage_script_killed_in_any_stage_is_the_uninterrupted_run_at_every_line(tmp_root, tmp_path, where, how):
+    """Between its stages the script prints the Recorder's last row and validate(), saves a model under
+    a name and loads it back, runs lr_find and fits with its suggestion, exports (tests/workloads.py
+    `five_stages`). Killed in any stage and run again unchanged (with `learn.load('crash')` at the top,
+    or AutoCheckpoint), every printed value, every file and the final state are the uninterrupted run's,
+    and no file the uninterrupted run wrote is written again with other bytes."""
+    args = (*FIVE, *FIVE_WAYS[how])
+    ref = workload_reference(tmp_root, "block", *args)
+    rerun = ("--load", "crash") if how == "load" else ()
+    killed = {}
+
+    def snapshot_files():
+        models = tmp_path / "models"
+        for p in models.iterdir():
+            if p.suffix in (".pth", ".pkl"):
+                killed[p.name] = p.read_bytes()
+
+    run_workload("block", tmp_path, tmp_path / "dead.frk", "--die", FIVE_KILLS[where], *args, expect=-9)
+    snapshot_files()
+    log = run_workload("block", tmp_path, tmp_path / "out.frk", *args, *rerun)
+    res = fr.load(tmp_path / "out.frk")
+    stage = int(FIVE_KILLS[where][0])
+    assert log.count("restored as it ended") == stage and "cancelled" not in log
+    assert res["printed"] == ref["printed"]
+    assert_same_result(ref, res, ("model", "opt", "losses", "lrs", "values", "rng", "csv", "files"))
+    for name, data in killed.items():  # what the killed run wrote is what the rerun leaves there
+        assert (tmp_path / "models" / name).read_bytes() == data, name
+
+
+def test_a_rerun_that_cannot_have_a_stages_end_state_refuses_before_it_writes(tmp_path):
+    """Killed in stage 2 of a script whose only resumable save is the one at the kill (no checkpoint in the
+    stages before it, so their end states were never kept), rerun with `learn.load('crash')` at the top,
+    after `models/stage0.pth` was lost: the learner after the skipped stage 0 is not the uninterrupted
+    run's. The rerun says so when it skips the stage, gives the Recorder's numbers and validate() of the
+    uninterrupted run from the checkpoint's log, and refuses `learn.save('stage0')`: nothing is written
+    from a state that is not the uninterrupted run's."""
+
+    run_workload("block", tmp_path, tmp_path / "dead.frk", "--die", "2,0,8", *FIVE, expect=-9)
+    (tmp_path / "models" / "stage0.pth").unlink()
+    log = run_workload("block", tmp_path, tmp_path / "out.frk", *FIVE, "--load", "crash", expect=1)
+    assert "not stage 0's end: no resumable checkpoint was saved in that stage" in log
+    assert "VALUES stage-0" in log and "VALUES valid-0" in log
+    assert "ReplayError" in log and "learn.save('stage0')" in log and "nothing was written" in log
+    assert not (tmp_path / "models" / "stage0.pth").exists()
+
+
+def test_a_rerun_from_a_checkpoint_at_a_stages_very_end_continues_the_next_stage_exactly(tmp_root, tmp_path):
+    """AutoCheckpoint's last checkpoint of a stage is at its very end (every epoch done). When it is the
+    newest (the next stage's were lost, or a remote mirror lags), the rerun resumes the stage at its end,
+    with the loaders, RNG and schedule the stage ended with, and the next stage trains as it did."""
+    args = (*STAGES, "--auto", "4")
+    ref = workload_reference(tmp_root, "digits", *args)
+    run_workload("digits", tmp_path, tmp_path / "dead.frk", "--die", "2,0,6", *args, expect=-9)
+    for p in (tmp_path / "models").glob("auto-*-s002-*"):
+        p.unlink()
+    log = run_workload("digits", tmp_path, tmp_path / "out.frk", *args)
+    assert "-s001-f00-e000002-i0000000000.frk" in log and "skipping stage 0" in log
+    assert_same_result(ref, fr.load(tmp_path / "out.frk"))

@@ -7,9 +7,11 @@ writes the final model and optimizer state and the Recorder's history to `--out`
 """
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -30,7 +32,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import fastai_resume  # noqa: E402  (patches fastai)
 import fastai_resume.loaders  # noqa: E402
-import fastai_resume.session  # noqa: E402
+import fastai_resume.script  # noqa: E402
 
 
 class Noise:
@@ -46,8 +48,8 @@ class SaveAndDie(Callback):
 
     order = 100
 
-    def __init__(self, epoch, k, name, event="after_batch"):
-        self.at, self.fname, self.event = (epoch, k), name, event
+    def __init__(self, epoch, k, name, event="after_batch", dump=None):
+        self.at, self.fname, self.event, self.dump = (epoch, k), name, event, dump
         setattr(self, event, self._maybe)
 
     def _maybe(self):
@@ -57,6 +59,8 @@ class SaveAndDie(Callback):
         elif self.epoch != self.at[0]:
             return
         self.learn.save(self.fname, with_iter=True)
+        if self.dump is not None:  # the state at the save, taken from the live learner (gathered if sharded)
+            fastai_resume.save(model_state(self.learn), self.dump)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -74,7 +78,7 @@ class Slow(Callback):
             time.sleep(self.s)
 
 
-def build(path, nw=0, noise=True, bs=32, torch_opt=False, extra_cbs=()):
+def build(path, nw=0, noise=True, bs=32, torch_opt=False, extra_cbs=(), bn=False):
     set_seed(42)
     X, y = load_digits(return_X_y=True)
     xs = torch.tensor(X / 16.0, dtype=torch.float32)
@@ -84,6 +88,8 @@ def build(path, nw=0, noise=True, bs=32, torch_opt=False, extra_cbs=()):
     valid = DataLoader(items[1500:], bs=128, num_workers=0)
     dls = DataLoaders(train, valid, device="cpu", path=path)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.3), nn.Linear(128, 10))
+    if bn:  # BatchNorm (per-rank statistics under FSDP) and rows that no world size of 2 or 4 divides evenly
+        model = nn.Sequential(nn.Linear(64, 37), nn.BatchNorm1d(37), nn.ReLU(), nn.Dropout(0.3), nn.Linear(37, 10))
     opt = {}
     if torch_opt:
         from functools import partial
@@ -106,17 +112,72 @@ class SeenItems(Callback):
         return self.orig(s)
 
 
+def full(tree):
+    "`tree` with every DTensor gathered whole (a collective: every rank calls it), for comparing across world sizes."
+    from fastai_resume.sharded import is_dtensor
+
+    if is_dtensor(tree):
+        return tree.full_tensor()
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: full(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(full(v) for v in tree)
+    return tree
+
+
+def model_state(learn):
+    "The model and optimizer state: each rank's own part of a sharded one (`local`), and whole (`full`)."
+    from fastai_resume.sharded import localize
+
+    model, opt = learn.model.state_dict(), fastai_resume.state.plain(learn.opt.state_dict())
+    return {
+        "model": {k: v.clone() for k, v in localize(model)[0].items()},
+        "opt": localize(opt)[0],
+        "full_model": full(model),
+        "full_opt": full(opt),
+    }
+
+
+def kill_in_save(rank, n):
+    "Under --fsdp: rank `rank` dies by SIGKILL in its `n`-th sharded save, once its file is written, before the manifest."
+    import fastai_resume.sharded as sh
+
+    left, orig = [n], sh._finish
+
+    def finish(*args, **kwargs):
+        left[0] -= 1
+        if int(os.environ["RANK"]) == rank and left[0] == 0:
+            print(f"rank {rank}: SIGKILL in a save", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return orig(*args, **kwargs)
+
+    sh._finish = finish
+
+
 def result(learn):
     rec = learn.recorder
     seen = next((c.seen for c in learn.cbs if isinstance(c, SeenItems)), {})
     return {
         "seen": {str(e): torch.tensor(v) for e, v in seen.items()},
-        "model": {k: v.clone() for k, v in learn.model.state_dict().items()},
-        "opt": fastai_resume.state.plain(learn.opt.state_dict()),
+        **model_state(learn),
         "losses": [float(l) for l in rec.losses],
         "lrs": [float(l) for l in rec.lrs],
         "values": [[float(v) for v in row] for row in rec.values],
     }
+
+
+@contextlib.contextmanager
+def shown_warnings():
+    "Every warning given inside, printed as one 'WARNING: ' line each when it ends (also by an exception)."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in seen:
+                print("WARNING: " + " ".join(str(w.message).split()), flush=True)
 
 
 def main(argv=None):
@@ -140,9 +201,28 @@ def main(argv=None):
     ap.add_argument("--ballast-mb", type=int, default=0, help="a constant buffer this big in the model (slower saves)")
     ap.add_argument("--fsize-mb", type=int, default=0, help="RLIMIT_FSIZE for this process (a full disk)")
     ap.add_argument("--on-error", default="raise")
+    ap.add_argument("--remote", default=None, help="AutoCheckpoint(remote=URL): mirror the checkpoints there")
+    ap.add_argument("--remote-wait", type=float, default=300.0, help="AutoCheckpoint(remote_wait=...)")
+    ap.add_argument(
+        "--show-warnings",
+        action="store_true",
+        help="record every warning (whatever the environment's filters) and print each at the end as 'WARNING: ...'",
+    )
     ap.add_argument(
         "--ddp", action="store_true", help="train inside learn.distrib_ctx(cpu=True) (launch with torchrun)"
     )
+    ap.add_argument(
+        "--fsdp", action="store_true", help="train inside fastai_resume's fsdp_ctx(cpu=True) (launch with torchrun)"
+    )
+    ap.add_argument("--cuda", action="store_true", help="under --fsdp: on this rank's GPU (NCCL)")
+    ap.add_argument("--bn", action="store_true", help="a model with BatchNorm and unevenly sharded rows")
+    ap.add_argument("--kill-in-save", default=None, help="R,N: under --fsdp rank R dies in its N-th save")
+    ap.add_argument(
+        "--dump-state",
+        action="store_true",
+        help="write the model and optimizer as saved (OUT.saved) or as loaded (OUT.start)",
+    )
+    ap.add_argument("--shared-buffers", action="store_true", help="negative control: rank 0's buffers on every rank")
     ap.add_argument("--start-epoch", type=int, default=0)
     ap.add_argument(
         "--shared-rng",
@@ -166,6 +246,7 @@ def main(argv=None):
                 keep=2,
                 background=not a.auto_sync,
                 on_error=a.on_error,
+                **(dict(remote=a.remote, remote_wait=a.remote_wait) if a.remote else {}),
             )
         )
     if a.fsize_mb:
@@ -179,10 +260,12 @@ def main(argv=None):
             SaveModelCallback(monitor="accuracy", fname="best", with_opt=True),
             EarlyStoppingCallback(monitor="valid_loss", patience=2),
         ]
-    learn = build(a.path, nw=a.workers, noise=not a.no_noise, torch_opt=a.torch_opt, extra_cbs=cbs)
+    learn = build(a.path, nw=a.workers, noise=not a.no_noise, torch_opt=a.torch_opt, extra_cbs=cbs, bn=a.bn)
     if a.workers == 0:
         learn.add_cb(SeenItems(learn.dls.train))
-    if a.ddp:  # ranks draw different augmentation noise and dropout masks: per-rank RNG matters
+    if a.kill_in_save:
+        kill_in_save(*map(int, a.kill_in_save.split(",")))
+    if a.ddp or a.fsdp:  # ranks draw different augmentation noise and dropout masks: per-rank RNG matters
         import fastai.distributed  # noqa: F401  (defines Learner.distrib_ctx)
 
         rank = int(os.environ["RANK"])
@@ -193,17 +276,39 @@ def main(argv=None):
     fit_cbs = []
     if a.die_at:
         e, k = map(int, a.die_at.split(","))
-        fit_cbs.append(SaveAndDie(e, k, "crash", a.die_event))
+        fit_cbs.append(SaveAndDie(e, k, "crash", a.die_event, f"{a.out}.saved" if a.dump_state else None))
+    if a.fsdp:
+        ctx = fastai_resume.fsdp_ctx(learn, cpu=not a.cuda)
+    elif a.ddp:
+        ctx = learn.distrib_ctx(cpu=True)
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:  # (the result inside: a sharded model is gathered by the process group)
+        train(learn, a, fit_cbs)
+        res = result(learn)
+    fastai_resume.save(res, a.out)
+
+
+def train(learn, a, fit_cbs):
     if a.resume:
         learn.load(a.resume)
+        if a.dump_state:
+            fastai_resume.save(model_state(learn), f"{a.out}.start")
         if a.break_data_order:
-            train = fastai_resume.session.script(learn).armed.train
+            train = fastai_resume.script.script(learn).armed.train
             train["loaders_epoch"] = [fastai_resume.loaders.capture(dl) for dl in learn.dls.loaders]
         if a.shared_rng:
-            fastai_resume.session.script(learn).armed.train["ranks"] = None
-    import contextlib
+            armed = fastai_resume.script.script(learn).armed
+            armed.train["ranks"] = None
+            if a.fsdp:  # each rank's file has its own: take rank 0's
+                armed.train["rng"] = fastai_resume.dist.broadcast(armed.train["rng"])
+        if a.shared_buffers:  # negative control under --fsdp: rank 0's BatchNorm statistics on every rank
+            import torch.distributed as D
 
-    with learn.no_bar(), learn.distrib_ctx(cpu=True) if a.ddp else contextlib.nullcontext():
+            for b in learn.model.buffers():
+                D.broadcast(b, 0)
+    shown = shown_warnings() if a.show_warnings else contextlib.nullcontext()
+    with shown, learn.no_bar():
         if a.method == "fit_one_cycle":
             learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs, start_epoch=a.start_epoch)
         elif a.method == "fit_flat_cos":
@@ -212,7 +317,6 @@ def main(argv=None):
             learn.fit(a.epochs, 1e-3, cbs=fit_cbs)
         elif a.method == "fine_tune":
             learn.fine_tune(a.epochs, 1e-2, freeze_epochs=1, cbs=fit_cbs)
-    fastai_resume.save(result(learn), a.out)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@ exactness tests:
 PIPELINE: `lm` (LMDataLoader(shuffle=True) and an AWD-LSTM language model with fastai's RNN callbacks),
 `vision` (a DataBlock of images with RandomResizedCrop in 2 worker processes and aug_transforms),
 `torch` (plain PyTorch DataLoaders in fastai's DataLoaders), `stream` / `stream-nostate` (a PyTorch
-IterableDataset with / without state_dict), `tfmd` (a TfmdDL over a plain list with a random
-after_batch transform), `digits` (an MLP; with --train-metrics and --die-order).
-RECIPE: `one` (fit_one_cycle(3)) or `stages` (the ULMFiT-style script: lr_find, fit_one_cycle,
-freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger).
+IterableDataset with / without state_dict), `stream-fastai` (the stream with state_dict through fastai's
+DataLoader(indexed=False, n=...): an epoch of n items), `sorted` (fastai's SortedDL, the text
+classifier's training loader), `tfmd` (a TfmdDL over a plain list with a random after_batch
+transform), `digits` (an MLP; with --train-metrics and --die-order), `block` (the digits through a
+DataBlock, whose loaders `learn.export` can pickle).
+RECIPE: `one` (fit_one_cycle(3)), `stages` (the ULMFiT-style script: lr_find, fit_one_cycle,
+freeze_to(-2), fit_one_cycle, unfreeze, fit_one_cycle, with a CSVLogger) or `five` (five stages with
+what scripts do between them: prints, validate, save, load, lr_find, export; `five_stages`).
 --die S,E,K: in stage S, after K training batches of epoch E, save `crash` (or, with --auto, let
 AutoCheckpoint have saved) and die by SIGKILL. --load NAME: `learn.load(NAME)` at the top of the script.
 --auto N: one AutoCheckpoint(every_iters=N) in the Learner's callbacks; --auto-per-fit N: a new one
@@ -39,10 +43,12 @@ from fastai.losses import CrossEntropyLossFlat  # noqa: E402
 from fastai.metrics import accuracy  # noqa: E402
 from fastai.torch_core import set_seed  # noqa: E402
 from fasttransform import Transform  # noqa: E402
+from results import learner_result  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import fastai_resume  # noqa: E402
-import fastai_resume.session  # noqa: E402
+import fastai_resume.script  # noqa: E402
+from fastai_resume.between import file_crc  # noqa: E402
 
 
 class SaveAndDie(Callback):
@@ -53,12 +59,12 @@ class SaveAndDie(Callback):
         self.at, self.do_save, self.order, self.event = at, save, order, event
 
     def after_epoch(self):
-        sc = fastai_resume.session.script(self.learn)
+        sc = fastai_resume.script.script(self.learn)
         if self.event == "after_epoch" and sc.stage is not None and (sc.stage.index, self.epoch) == self.at[:2]:
             self._die()
 
     def after_batch(self):
-        sc = fastai_resume.session.script(self.learn)
+        sc = fastai_resume.script.script(self.learn)
         if sc.stage is None or sc.session is None or self.event == "after_epoch":
             return
         if self.training != (self.event == "after_batch"):
@@ -73,8 +79,25 @@ class SaveAndDie(Callback):
         else:
             auto = next(c for c in self.learn.cbs if isinstance(c, fastai_resume.AutoCheckpoint))
             auto._check_inflight(block=True)
+            m = auto._mirror  # --remote: dies once the remote has it (a test then deletes this machine's disk)
+            if m is not None:
+                with m.cond:
+                    m.cond.wait_for(lambda: m.newest == auto.saved[-1].name, timeout=120)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SaveEvery(Callback):
+    "What a user writes to save a resumable checkpoint every N training batches."
+
+    order = 90
+
+    def __init__(self, n):
+        self.n = n
+
+    def after_batch(self):
+        if self.training and self.learn.train_iter % self.n == 0:
+            self.learn.save("crash", with_iter=True)
 
 
 class Trace(Callback):
@@ -171,7 +194,21 @@ def build(a):
     set_seed(42)
     xs, ys = digits()
     cbs, kw, splitter = [], {}, None
-    if a.pipeline in ("digits", "torch", "stream", "stream-nostate", "tfmd"):
+    if a.pipeline == "block":  # a DataBlock's loaders (what `learn.export` needs), digits as tensors
+        from fastai.data.block import CategoryBlock, DataBlock, TransformBlock
+        from fastai.data.transforms import IndexSplitter, ItemGetter
+
+        items = list(zip(xs[:720], ys[:720].tolist()))
+        block = DataBlock(
+            blocks=(TransformBlock, CategoryBlock),
+            get_x=ItemGetter(0),
+            get_y=ItemGetter(1),
+            splitter=IndexSplitter(range(600, 720)),
+        )
+        dls = block.dataloaders(items, bs=32, path=a.path, device="cpu", drop_last=True)
+        model, splitter, loss = mlp(), mlp_split, CrossEntropyLossFlat()
+        kw["metrics"] = accuracy
+    elif a.pipeline in ("digits", "torch", "stream", "stream-nostate", "stream-fastai", "tfmd", "sorted"):
         n = 600
         tr, va = (xs[:n], ys[:n]), (xs[1500:], ys[1500:])
         if a.pipeline == "digits":
@@ -180,10 +217,19 @@ def build(a):
         elif a.pipeline == "torch":
             train = torch.utils.data.DataLoader(NoisyDigits(*tr), batch_size=32, shuffle=True, drop_last=True)
             valid = torch.utils.data.DataLoader(NoisyDigits(*va), batch_size=128)
-        elif a.pipeline.startswith("stream"):
+        elif a.pipeline in ("stream", "stream-nostate"):
             cls = StatefulDigitStream if a.pipeline == "stream" else DigitStream
             train = torch.utils.data.DataLoader(cls(*tr), batch_size=32)
             valid = torch.utils.data.DataLoader(NoisyDigits(*va), batch_size=128)
+        elif a.pipeline == "stream-fastai":  # fastai's DataLoader over a stream, an epoch of n items
+            train = DataLoader(StatefulDigitStream(*tr), bs=32, indexed=False, n=n)
+            valid = DataLoader(list(zip(*va)), bs=128)
+        elif a.pipeline == "sorted":  # SortedDL: shuffle_fn draws from NumPy and returns an iterator
+            from fastai.text.data import SortedDL
+
+            lens = [int(i) % 7 for i in range(n)]
+            train = SortedDL(list(zip(*tr)), res=lens, bs=32, shuffle=True, after_batch=[RandomScale()])
+            valid = SortedDL(list(zip(*va)), res=[0] * len(va[0]), bs=128)
         else:
             train = TfmdDL(list(zip(*tr)), bs=32, shuffle=True, drop_last=True, after_batch=[RandomScale()])
             valid = TfmdDL(list(zip(*va)), bs=128)
@@ -248,6 +294,8 @@ def recipe(learn, a):
     if a.recipe == "one":
         learn.fit_one_cycle(a.epochs, 1e-2, cbs=fit_cbs())
         return
+    if a.recipe == "five":
+        return five_stages(learn, a, fit_cbs)
     learn.add_cb(CSVLogger(append=a.csv_append))
     if not a.no_lr_find:
         learn.lr_find(num_it=20, show_plot=False)
@@ -259,20 +307,66 @@ def recipe(learn, a):
     learn.fit_one_cycle(a.last_epochs, slice(1e-4, 1e-3), cbs=fit_cbs())
 
 
+PRINTED = []  # what the script printed between its stages (`show`)
+
+
+def show(tag, v):
+    PRINTED.append(f"{tag} {[float(x) for x in v]}")
+    print(f"VALUES {PRINTED[-1]}", flush=True)
+
+
+def five_stages(learn, a, fit_cbs):
+    """A script of five stages that does between them what scripts do: prints the Recorder's last row and
+    `validate()`, saves and loads named models, runs lr_find and fits with its suggestion, exports."""
+    learn.add_cb(CSVLogger(append=True))
+    sug = learn.lr_find(num_it=12, show_plot=False)
+    show("lr_find-0", list(sug))
+    learn.freeze_to(-1)
+    learn.fit_one_cycle(1, float(sug.valley) * 10, cbs=fit_cbs())  # stage 0, at the suggestion (fastai's recipe)
+    show("stage-0", learn.recorder.values[-1])
+    show("valid-0", learn.validate())
+    learn.save("stage0")
+    learn.freeze_to(-2)
+    learn.fit_one_cycle(2, slice(1e-3, 1e-2), cbs=fit_cbs())  # stage 1
+    show("stage-1", learn.recorder.values[-1])
+    learn.save("stage1")
+    learn = learn.load("stage0")
+    show("valid-stage0", learn.validate())
+    if a.branch_on_files and os.path.exists(os.path.join(a.path, "stage2.pkl")):
+        learn = learn.load("stage0")  # a script that branches on what its folder holds: a rerun goes another way
+    learn = learn.load("stage1")
+    sug = learn.lr_find(num_it=12, show_plot=False)
+    show("lr_find-2", list(sug))
+    learn.unfreeze()
+    learn.fit_one_cycle(1, float(sug.valley), cbs=fit_cbs())  # stage 2, at the suggested rate
+    show("stage-2", learn.recorder.values[-1])
+    with learn.removed_cbs(learn.csv_logger):  # fastai cannot pickle the logger's closed file
+        learn.export("stage2.pkl")
+    learn.fit(1, 1e-4, cbs=fit_cbs())  # stage 3
+    show("stage-3", learn.recorder.values[-1])
+    show("losses-3", learn.recorder.losses[-3:])
+    learn.fine_tune(1, 1e-4, freeze_epochs=1, cbs=fit_cbs())  # stage 4: two fits
+    show("stage-4", learn.recorder.values[-1])
+    show("valid-4", learn.validate())
+
+
 def result(learn):
-    rec = learn.recorder
     rng = {"python": random.random(), "numpy": float(np.random.rand()), "torch": torch.rand(3)}
     csv = os.path.join(learn.path, "history.csv")
     text = open(csv).read() if os.path.exists(csv) else ""
     rows = [",".join(line.split(",")[:-1]) for line in text.splitlines()]  # without the time column
     return {
-        "model": {k: v.clone() for k, v in learn.model.state_dict().items()},
-        "opt": fastai_resume.state.plain(learn.opt.state_dict()),
-        "losses": [float(x) for x in rec.losses],
-        "lrs": [float(x) for x in rec.lrs],
-        "values": [[float(v) for v in row] for row in rec.values],
+        **learner_result(learn),
         "rng": rng,
         "csv": "\n".join(rows),
+        "printed": list(PRINTED),
+        "files": {
+            f: file_crc(os.path.join(learn.path, "models", f))
+            for f in sorted(os.listdir(os.path.join(learn.path, "models")))
+            if f.endswith(".pth")
+        }
+        if os.path.isdir(os.path.join(learn.path, "models"))
+        else {},
     }
 
 
@@ -291,6 +385,9 @@ def main(argv=None):
     ap.add_argument("--load", default=None)
     ap.add_argument("--auto", type=int, default=0)
     ap.add_argument("--auto-per-fit", type=int, default=0)
+    ap.add_argument("--remote", default=None, help="with --auto: AutoCheckpoint(remote=URL)")
+    ap.add_argument("--save-every", type=int, default=0, help="a user's callback saving `crash` every N batches")
+    ap.add_argument("--branch-on-files", action="store_true", help="five: a between-stage load decided by the folder")
     ap.add_argument("--csv-append", action="store_true")
     ap.add_argument("--no-lr-find", action="store_true")
     ap.add_argument("--train-metrics", action="store_true")
@@ -304,15 +401,18 @@ def main(argv=None):
         learn.add_cb(Trace())
     if a.plant:
         learn.add_cb(PlantedDivergence())
+    if a.save_every:
+        learn.add_cb(SaveEvery(a.save_every))
     if a.auto:
-        learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
+        remote = dict(remote=a.remote) if a.remote else {}
+        learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward, **remote))
     if a.die:
         at = tuple(map(int, a.die.split(",")))
         learn.add_cb(SaveAndDie(at, save=not (a.auto or a.auto_per_fit), order=a.die_order, event=a.die_event))
     if a.load:
         learn.load(a.load, fast_forward=a.fast_forward)
         if a.break_order:
-            tr = fastai_resume.session.script(learn).armed.train
+            tr = fastai_resume.script.script(learn).armed.train
             tr["loaders_epoch"] = [
                 dict(st, order=list(range(len(st["order"])))) if "order" in st else st for st in tr["loaders_epoch"]
             ]

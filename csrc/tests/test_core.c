@@ -1374,6 +1374,94 @@ static int count_hidden(const char *dir)
     return n;
 }
 
+/* True if name ends ".tmp.<this pid>.<16 hex digits>", the writer's temporary-name suffix. */
+static int temp_suffix_ok(const char *name)
+{
+    char pid_part[40];
+    int n = snprintf(pid_part, sizeof pid_part, ".tmp.%ld.", (long)getpid());
+    size_t len = strlen(name);
+    if (len < (size_t)n + 16 || strncmp(name + len - 16 - (size_t)n, pid_part, (size_t)n))
+        return 0;
+    for (size_t i = len - 16; i < len; i++)
+        if (!strchr("0123456789abcdef", name[i]))
+            return 0;
+    return 1;
+}
+
+/* Names planted in the directory before the writer's commit: every name the old scheme
+ * (".<name>.tmp.<pid>.<n>", n counting from 0) would have tried, and a thousand of the new
+ * form with random parts of their own.  The commit still succeeds, leaves every planted file
+ * as it was, and two commits do not pick one temporary name. */
+static void test_commit_planted_temp_names(void)
+{
+    char dir[600], path[1200], planted[1400], first[4096];
+    path_in(dir, sizeof dir, "planted");
+    CHECK(mkdir(dir, 0755) == 0);
+    snprintf(path, sizeof path, "%s/ckpt.frk", dir);
+    int n_planted = 0;
+    for (int i = 0; i < 1200; i++) {
+        if (i < 200)
+            snprintf(planted, sizeof planted, "%s/.ckpt.frk.tmp.%ld.%d", dir, (long)getpid(), i);
+        else
+            snprintf(planted, sizeof planted, "%s/.ckpt.frk.tmp.%ld.%016llx", dir, (long)getpid(),
+                     (unsigned long long)rnd());
+        n_planted += write_whole(planted, "planted", 7) == 0;
+    }
+    CHECK(n_planted == 1200 && count_temps(dir, "ckpt.frk") == 1200);
+    frk_error err;
+    for (int64_t gen = 1; gen <= 2; gen++) {
+        last_synced_file[0] = 0;
+        memset(&err, 0, sizeof err);
+        int rc = commit_gen(path, gen, 100, FRK_COMMIT_FSYNC, &err);
+        CHECKF(rc == FRK_OK, "commit %d: %s", (int)gen, err.msg);
+        CHECK(read_gen(path) == gen && count_temps(dir, "ckpt.frk") == 1200);
+        const char *tmp = strrchr(last_synced_file, '/');
+        CHECKF(tmp && temp_suffix_ok(tmp + 1), "temporary name %s", last_synced_file);
+        if (gen == 1)
+            snprintf(first, sizeof first, "%s", last_synced_file);
+        else
+            CHECKF(strcmp(first, last_synced_file), "two commits used %s", first);
+    }
+    snprintf(planted, sizeof planted, "%s/.ckpt.frk.tmp.%ld.0", dir, (long)getpid());
+    size_t len = 0;
+    uint8_t *back = read_whole(planted, &len);
+    CHECK(back && len == 7 && !memcmp(back, "planted", 7));
+    free(back);
+}
+
+/* frk_builder_size before the commit is the size the commit writes: small blobs, blobs big
+ * enough to start on a page, an empty one. */
+static void test_builder_size_is_the_committed_size(void)
+{
+    static const size_t lens[] = {3, 0, (size_t)FRK_PAGE_ALIGN_MIN + 5, 100, 2 * 4096};
+    enum { N = sizeof lens / sizeof *lens };
+    uint8_t *data[N];
+    frk_builder *b = frk_builder_new();
+    frk_error err;
+    uint64_t bi, ti, size = 0, written = 0;
+    CHECK(b != NULL);
+    CHECK(frk_builder_put_container(b, FRK_TAG_LIST, N, &err) == FRK_OK);
+    for (size_t i = 0; i < N; i++) {
+        data[i] = xmalloc(lens[i]);
+        memset(data[i], (int)i, lens[i]);
+        CHECK(frk_builder_add_blob(b, data[i], lens[i], &bi, &err) == FRK_OK);
+        CHECK(frk_builder_add_tensor(b, 0, FRK_DT_U8, bi, 0, 1, (int64_t[]){(int64_t)lens[i]},
+                                     (int64_t[]){1}, &ti, &err) == FRK_OK);
+        CHECK(frk_builder_put_tensor(b, ti, &err) == FRK_OK);
+    }
+    char path[600];
+    path_in(path, sizeof path, "sized.frk");
+    CHECK(frk_builder_size(b, &size, &err) == FRK_OK);
+    CHECKF(frk_builder_commit(b, path, 0, &written, &err) == FRK_OK, "%s", err.msg);
+    struct stat st;
+    CHECK(stat(path, &st) == 0);
+    CHECKF(size == written && written == (uint64_t)st.st_size, "size %llu, wrote %llu, file %lld",
+           (unsigned long long)size, (unsigned long long)written, (long long)st.st_size);
+    frk_builder_free(b);
+    for (size_t i = 0; i < N; i++)
+        free(data[i]);
+}
+
 static void test_commit_long_names(void)
 {
     char dir[600], path[1200], name[300];
@@ -1403,14 +1491,12 @@ static void test_commit_long_names(void)
         /* the temporary file the core synced, before its rename */
         const char *tmp = strrchr(last_synced_file, '/');
         tmp = tmp ? tmp + 1 : "";
-        char pid_part[32];
-        snprintf(pid_part, sizeof pid_part, ".tmp.%ld.0", (long)getpid());
-        CHECKF(tmp[0] == '.' && strlen(tmp) <= 255 && strstr(tmp, pid_part) &&
+        CHECKF(tmp[0] == '.' && strlen(tmp) <= 255 && temp_suffix_ok(tmp) &&
                    frk_utf8_valid((const uint8_t *)tmp, strlen(tmp)),
                "temporary name %s", tmp);
-        if (cases[i].bytes == 200) /* short enough: the plain ".<name>.tmp.<pid>.<n>" */
+        if (cases[i].bytes == 200) /* short enough: the plain ".<name>.tmp.<pid>.<random>" */
             CHECKF(!strncmp(tmp + 1, name, strlen(name)) &&
-                       !strcmp(tmp + 1 + strlen(name), pid_part),
+                       tmp + 1 + strlen(name) == strstr(tmp, ".tmp."),
                    "temporary name %s", tmp);
         else /* the start of the name and a hash of the whole */
             CHECKF(!strncmp(tmp + 1, name, 100) && strchr(tmp, '~'), "temporary name %s", tmp);
@@ -2032,6 +2118,9 @@ static void test_hostile_tensors(void)
         {"bad dtype code 21", "unknown dtype code 21", 0, FRK_DT_COUNT, 0, 0, 1, {1}, {1}},
         {"bad dtype code 255", "unknown dtype code 255", 0, 255, 0, 0, 1, {1}, {1}},
         {"bad kind 2", "unknown kind 2", 2, FRK_DT_F32, 0, 0, 1, {1}, {1}},
+        {"NumPy bfloat16", "not a NumPy dtype", FRK_KIND_NUMPY, FRK_DT_BF16, 0, 0, 1, {4}, {1}},
+        {"NumPy complex32", "not a NumPy dtype", FRK_KIND_NUMPY, FRK_DT_C32, 0, 0, 1, {4}, {1}},
+        {"NumPy float8", "not a NumPy dtype", FRK_KIND_NUMPY, FRK_DT_F8_E5M2, 0, 0, 1, {4}, {1}},
         {"blob index out of range", "refers to blob 2 of 2", 0, FRK_DT_F32, 2, 0, 1, {1}, {1}},
         {"blob index UINT64_MAX", "refers to blob", 0, FRK_DT_F32, UINT64_MAX, 0, 1, {1}, {1}},
     };
@@ -2066,6 +2155,16 @@ static void test_hostile_tensors(void)
         ht_set(&s.tensors[0], 0, valid[i].dtype, 0, valid[i].soff, valid[i].ndim, valid[i].sizes,
                valid[i].strides);
         expect_valid(valid[i].what, &s);
+        hspec_free(&s);
+    }
+    /* NumPy arrays of the dtypes NumPy has, beside the codes it lacks */
+    static const uint8_t numpy_dtypes[] = {FRK_DT_BOOL, FRK_DT_F16, FRK_DT_F64, FRK_DT_C64,
+                                           FRK_DT_C128};
+    for (size_t i = 0; i < sizeof numpy_dtypes; i++) {
+        hspec_default(&s);
+        ht_set(&s.tensors[0], FRK_KIND_NUMPY, numpy_dtypes[i], 0, 0, 1, (int64_t[]){4},
+               (int64_t[]){1});
+        expect_valid("a NumPy array of a NumPy dtype", &s);
         hspec_free(&s);
     }
 
@@ -2474,6 +2573,20 @@ static void test_skip_arm_errors(void)
     CHECK(frk_skip_arm(&s, 2, 10, 3, 10, &err) == FRK_OK);
     CHECK(frk_skip_arm(&s, 0, 0, 0, 0, &err) == FRK_OK);
     CHECK(frk_skip_arm(&s, 0, 0, 1, 0, &err) == FRK_OK);
+}
+
+static void test_skip_at_the_fits_very_end(void)
+{
+    frk_skip s;
+    frk_error err;
+    CHECK(frk_skip_arm(&s, 3, 0, 3, 10, &err) == FRK_OK);
+    for (int64_t e = 0; e < 3; e++)
+        CHECK(frk_skip_before_epoch(&s, e).action == FRK_SKIP_SKIP);
+    CHECK(frk_skip_take_rng(&s) == 0);         /* no epoch resumed: no mid-epoch RNG */
+    CHECK(frk_skip_after_last_epoch(&s) == 1); /* the saved state is due now, once */
+    CHECK(frk_skip_after_last_epoch(&s) == 0 && !frk_skip_pending(&s));
+    CHECK(frk_skip_arm(&s, 2, 0, 3, 10, &err) == FRK_OK); /* a target inside the fit: never */
+    CHECK(frk_skip_after_last_epoch(&s) == 0 && frk_skip_pending(&s));
 }
 
 static void test_skip_mid_epoch(void)
@@ -2895,6 +3008,7 @@ static int write_seeds(const char *dir)
         snprintf(path, sizeof path, "%s/seed-%02d.frk", dir, n++);                                 \
         if ((rc = frk_builder_commit(b, path, 0, NULL, &err))) {                                   \
             fprintf(stderr, "seed %s: %s\n", path, err.msg);                                       \
+            frk_builder_free(b);                                                                   \
             return 1;                                                                              \
         }                                                                                          \
         frk_builder_free(b);                                                                       \
@@ -2950,7 +3064,8 @@ static int write_seeds(const char *dir)
     frk_builder_put_str(b, FRK_TAG_STR, RT_STR, strlen(RT_STR), &err);
     SEED_COMMIT(b);
 
-    /* 4: many dtypes and strided views over a few blobs */
+    /* 4: many dtypes (as torch tensors, and as NumPy arrays where NumPy has the dtype) and
+     * strided views over a few blobs */
     b = frk_builder_new();
     uint64_t blobs[3];
     frk_builder_add_blob(b, data, 96, &blobs[0], &err);
@@ -2960,8 +3075,9 @@ static int write_seeds(const char *dir)
     for (unsigned dt = 0; dt < FRK_DT_COUNT; dt++) {
         size_t item = frk_dtype_size(dt);
         int64_t n = (int64_t)(96 / item);
-        frk_builder_add_tensor(b, dt % 2, dt, blobs[0], 0, 1, (int64_t[]){n}, (int64_t[]){1}, &ti,
-                               &err);
+        int numpy = dt % 2 && dt != FRK_DT_C32 && dt < FRK_DT_F8_E4M3FN;
+        frk_builder_add_tensor(b, numpy ? FRK_KIND_NUMPY : FRK_KIND_TORCH, dt, blobs[0], 0, 1,
+                               (int64_t[]){n}, (int64_t[]){1}, &ti, &err);
         nt++;
     }
     frk_builder_add_tensor(b, 0, FRK_DT_U8, blobs[1], 2, 3, (int64_t[]){2, 3, 4},
@@ -3053,6 +3169,8 @@ int main(int argc, char **argv)
     run_test("commit_failures_leave_no_temp", test_commit_failures);
     run_test("commit_directory_sync_failures_are_told", test_commit_directory_sync);
     run_test("commit_long_names_get_a_short_temp_name", test_commit_long_names);
+    run_test("commit_planted_temp_names_do_not_block_it", test_commit_planted_temp_names);
+    run_test("builder_size_is_the_committed_size", test_builder_size_is_the_committed_size);
     run_test("commit_direct_same_bytes_as_buffered", test_commit_direct_same_bytes_as_buffered);
     run_test("crc32c_combine_and_copy", test_crc_combine_and_copy);
     run_test("error_message_cut_at_a_character", test_error_message_cut_at_a_character);
@@ -3067,6 +3185,7 @@ int main(int argc, char **argv)
     run_test("hostile_preamble_footer", test_hostile_preamble_footer);
     run_test("skip_plan_overrides", test_skip_plan);
     run_test("skip_arm_validation", test_skip_arm_errors);
+    run_test("skip_at_the_fits_very_end", test_skip_at_the_fits_very_end);
     run_test("skip_resume_mid_epoch", test_skip_mid_epoch);
     run_test("skip_resume_at_epoch_start", test_skip_epoch_start);
     run_test("skip_resume_at_end_of_epoch", test_skip_end_of_epoch);

@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""The supported matrix, tested as users install the package (`make matrix`; CI runs it last).
+
+`python -m build` makes the sdist and, from it, the wheel for Python 3.11; pip builds the wheels of
+the other Pythons from the same sdist. Each row, a Python with the newest or the oldest stack the
+package claims, installs its wheel with pip into a clean venv and runs, from a copy of the checkout
+without the package (so the tests import the installed one), the subset that proves the package
+works there: `TESTS`, less the tests marked `slow`. The C core's own tests are `make ctest`'s (the
+core is plain C: they do not depend on the Python).
+
+    newest: constraints-dev.txt's pins (torch, torchvision, fastai: what CI's dev venv runs)
+    oldest: the lower bound of every dependency in pyproject.toml that has one, and the
+            torchvision built for that torch (`TORCHVISION`)
+
+The Pythons are pyproject.toml's classifiers, found under pyenv (or on PATH as pythonX.Y).
+
+Downloads and installs happen once per machine (pip's cache, shared by every venv, stays empty
+behind a package proxy that sends no caching headers, as this machine's does): a row's dependencies
+are installed once into an environment under ~/.cache/fastai-resume/matrix/ (named by a hash of the
+Python, the pins and the wheel's requirements, never changed once complete; one unused for 14 days
+is removed), from which each run makes the row's clean venv as a hard-linked copy (under a second,
+no disk) before pip installs the wheel into it. Identical libraries of those environments (the CUDA
+libraries of the same torch under two Pythons) are hard-linked too.
+
+    python3 .ci/matrix.py                       # all rows; writes .ci/matrix.json
+    python3 .ci/matrix.py --rows 3.12:newest    # some rows; writes build/matrix/matrix.json
+    python3 .ci/matrix.py --rewrite             # the README's table from .ci/matrix.json
+    python3 .ci/matrix.py --check               # exit 1 if the README's table differs from it
+"""
+
+import argparse
+import email.parser
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+import xml.etree.ElementTree as ET
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.path.join(ROOT, "build", "matrix")
+RESULTS = os.path.join(ROOT, ".ci", "matrix.json")
+README = os.path.join(ROOT, "docs", "install.md")  # the page the table lives in
+CACHE = os.environ.get("FRK_MATRIX_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastai-resume", "matrix"
+)
+STACKS = ("newest", "oldest")
+TORCHVISION = {"2.6": "0.21.0"}  # torchvision pins torch exactly: the one built for the oldest torch
+TOOLS = ["pytest", "pytest-timeout", "pytest-xdist", "filelock"]
+TESTS = [
+    "tests/test_format.py",
+    "tests/test_exact.py::test_kill_at_iteration_k_then_resume_is_bitwise_equal[middle-batch-middle-epoch]",
+    "tests/test_cli.py",
+    "tests/test_compat.py",
+]
+SELECT = "not slow"
+PYTEST = ["-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "worksteal", "--timeout", "1200", "-m", SELECT]
+UNUSED_DAYS = 14
+BLOCK = re.compile(r"(<!-- matrix -->\n)(?P<body>.*?)(<!-- /matrix -->)", re.S)
+
+
+def pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def pythons():
+    "The Python versions pyproject.toml's classifiers claim, in order."
+    prefix = "Programming Language :: Python :: "
+    return [c[len(prefix) :] for c in pyproject()["classifiers"] if c.startswith(prefix) and c.count(".") == 1]
+
+
+def lower_bounds():
+    "{name: version} for each dependency of pyproject.toml with a lower bound (`>=`)."
+    out = {}
+    for dep in pyproject()["dependencies"]:
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9][0-9.]*)", dep)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def pins(stack):
+    "The constraints file's lines for `stack`."
+    if stack == "newest":
+        with open(os.path.join(ROOT, "constraints-dev.txt")) as f:
+            return [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    low = lower_bounds()
+    return [f"{n}=={v}" for n, v in low.items()] + [f"torchvision=={TORCHVISION[low['torch']]}"]
+
+
+def find_python(version):
+    "The interpreter of `version` (3.12): pyenv's newest patch release of it, else pythonX.Y on PATH."
+    found = []
+    try:
+        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip()
+        found = glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", f"python{version}"))
+    except OSError:
+        pass
+    found.sort(key=lambda p: [int(x) for x in re.findall(r"\d+", p.split("/versions/")[1].split("/")[0])])
+    for exe in found[::-1] + [shutil.which(f"python{version}")]:
+        if exe and sh([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], check=False) == version:
+            return exe
+    sys.exit(f"matrix: no Python {version} found (pyenv install {version}, or put python{version} on PATH)")
+
+
+def sh(cmd, check=True, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if check and p.returncode != 0:
+        sys.exit(f"matrix: {' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stdout[-4000:]}{p.stderr[-4000:]}")
+    return p.stdout.strip()
+
+
+def log(msg):
+    print(f"[matrix {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_dists(versions):
+    """The sdist and, built from it, one wheel per Python: {version: wheel path}, and the sdist.
+    `python -m build` (sdist, then the wheel from the unpacked sdist) for the first Python; pip
+    for the others, from the same sdist, as a user without a matching wheel would."""
+    dist = os.path.join(BUILD, "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    tools = os.path.join(BUILD, "tools")
+    first = find_python(versions[0])
+    tpy = os.path.join(tools, "bin", "python")
+    if not os.path.exists(tpy) or subprocess.run([tpy, "-c", "import build"], capture_output=True).returncode:
+        shutil.rmtree(tools, ignore_errors=True)
+        sh([first, "-m", "venv", tools])
+        sh([tpy, "-m", "pip", "install", "-q", "build"])
+    sh([tpy, "-m", "build", "-o", dist, ROOT])
+    (sdist,) = glob.glob(os.path.join(dist, "*.tar.gz"))
+    for v in versions[1:]:
+        sh([find_python(v), "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, sdist])
+    wheels = {}
+    for v in versions:
+        tag = "cp" + v.replace(".", "")
+        (wheels[v],) = glob.glob(os.path.join(dist, f"fastai_resume-*-{tag}-{tag}-*.whl"))
+    check_dists(sdist, wheels)
+    return sdist, wheels
+
+
+def check_dists(sdist, wheels):
+    "The sdist holds every tracked file of csrc/ and the format's spec; each wheel, the built core."
+    import tarfile
+
+    with tarfile.open(sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    tracked = sh(["git", "ls-files", "csrc", "docs/FORMAT.md"], cwd=ROOT).split()
+    missing = sorted(set(tracked) - names)
+    if missing or not tracked:
+        sys.exit(f"matrix: the sdist lacks {missing}")
+    for v, whl in wheels.items():
+        members = zipfile.ZipFile(whl).namelist()
+        core = f"fastai_resume/_core.cpython-{v.replace('.', '')}-"
+        if (
+            not any(m.startswith(core) and m.endswith(".so") for m in members)
+            or "fastai_resume/py.typed" not in members
+        ):
+            sys.exit(f"matrix: {os.path.basename(whl)} lacks the core or py.typed: {members}")
+
+
+def requirements(whl):
+    "The wheel's own requirements (its extras left out), as pip reads them."
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        msg = email.parser.Parser().parsestr(z.read(meta).decode())
+    return sorted(r for r in msg.get_all("Requires-Dist", []) if "extra ==" not in r)
+
+
+def checkout_copy():
+    "A copy of the tracked files but the package and its C sources: tests read their checkout from it."
+    tree = os.path.join(BUILD, "tree")
+    shutil.rmtree(tree, ignore_errors=True)
+    for rel in sh(["git", "ls-files"], cwd=ROOT).splitlines():
+        if rel.split("/")[0] in ("fastai_resume", "csrc"):
+            continue
+        os.makedirs(os.path.join(tree, os.path.dirname(rel)), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, rel), os.path.join(tree, rel))
+    return tree
+
+
+def prune_cache():
+    "Environments no run has used for UNUSED_DAYS days (and none being built) are removed."
+    for ready in glob.glob(os.path.join(CACHE, "*", ".ready")):
+        env = os.path.dirname(ready)
+        if time.time() - os.path.getmtime(ready) > UNUSED_DAYS * 86400:
+            with open(env + ".lock", "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                shutil.rmtree(env, ignore_errors=True)
+
+
+def environment(name, exe, reqs, constraints):
+    """The machine's environment for a row: the wheel's requirements and the test tools under the
+    row's constraints, installed once (under a lock, complete only with its `.ready`). Returns its
+    path and whether this call installed it."""
+    spec = {
+        "python": sh([exe, "-c", "import sys; print(sys.version)"]),
+        "requires": reqs,
+        "tools": TOOLS,
+        "constraints": constraints,
+    }
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    env = os.path.join(CACHE, f"{name}-{key}")
+    os.makedirs(CACHE, exist_ok=True)
+    with open(env + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ready = os.path.join(env, ".ready")
+        if os.path.exists(ready):
+            os.utime(ready)
+            return env, False
+        shutil.rmtree(env, ignore_errors=True)
+        sh([exe, "-m", "venv", env])
+        cfile = os.path.join(env, "constraints.txt")
+        with open(cfile, "w") as f:
+            f.write("\n".join(constraints) + "\n")
+        sh([os.path.join(env, "bin", "python"), "-m", "pip", "install", "-q", *reqs, *TOOLS, "-c", cfile])
+        with open(os.path.join(env, "spec.json"), "w") as f:
+            json.dump(spec, f, indent=1)
+        if shutil.which("hardlink"):  # the same torch's libraries under another Python: one copy on disk
+            subprocess.run(["hardlink", "-q", "-t", "-f", "-s", "1M", CACHE])
+        open(ready, "w").close()
+    return env, True
+
+
+def clean_venv(env, venv):
+    """A hard-linked copy of `env` at `venv`: a venv of its own (Python finds its prefix by where
+    it runs from); the scripts in bin/ that name `env` are rewritten as new files, never in place
+    (their inodes are `env`'s)."""
+    shutil.rmtree(venv, ignore_errors=True)
+    os.makedirs(os.path.dirname(venv), exist_ok=True)
+    if subprocess.run(["cp", "-al", env, venv], capture_output=True).returncode != 0:
+        shutil.rmtree(venv, ignore_errors=True)
+        sh(["cp", "-a", env, venv])  # another file system: a plain copy
+    bindir = os.path.join(venv, "bin")
+    for name in os.listdir(bindir):
+        path = os.path.join(bindir, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        if env.encode() in data:
+            tmp = path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(data.replace(env.encode(), venv.encode()))
+            shutil.copymode(path, tmp)
+            os.replace(tmp, path)
+
+
+PROBE = """\
+import json, os, platform, sysconfig, importlib.metadata as md
+import fastai_resume, fastai_resume._core as core
+from fastai_resume import snapshot
+site = sysconfig.get_paths()["platlib"]
+v = {n: md.version(n) for n in ("fastai-resume", "fastai", "fastcore", "torch", "torchvision", "numpy")}
+print(json.dumps(dict(v, python=platform.python_version(), version=fastai_resume.__version__,
+    package=os.path.relpath(fastai_resume.__file__, site), core=os.path.relpath(core.__file__, site),
+    copy_on_openmp=bool(snapshot.COPY_ON_OPENMP))))
+"""
+
+
+def run_row(py, stack, wheel, tree):
+    name = f"py{py}-{stack}"
+    out = os.path.join(BUILD, name)
+    os.makedirs(out, exist_ok=True)
+    t0 = time.monotonic()
+    constraints = pins(stack)
+    env, built = environment(name, find_python(py), requirements(wheel), constraints)
+    venv = os.path.join(out, "venv")
+    clean_venv(env, venv)
+    vpy = os.path.join(venv, "bin", "python")
+    report = os.path.join(out, "install.json")
+    sh([vpy, "-m", "pip", "install", "-q", "--report", report, wheel, "-c", os.path.join(env, "constraints.txt")])
+    with open(report) as f:
+        installed = sorted(i["metadata"]["name"] for i in json.load(f)["install"])
+    if installed != ["fastai-resume"]:  # the environment is the wheel's requirements: nothing else to add
+        sys.exit(f"matrix: {name}: installing the wheel also installed {installed}")
+    sh([vpy, "-m", "pip", "check"])
+    t1 = time.monotonic()
+    env_vars = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env_vars.update(FRK_MATRIX_WHEEL=wheel, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ["PATH"])
+    probe = json.loads(sh([vpy, "-c", PROBE], cwd=tree, env=env_vars))
+    junit = os.path.join(out, "junit.xml")
+    shutil.rmtree(os.path.join(out, "tmp"), ignore_errors=True)
+    cmd = [vpy, "-m", "pytest", *PYTEST, "--basetemp", os.path.join(out, "tmp"), "--junitxml", junit, *TESTS]
+    with open(os.path.join(out, "pytest.log"), "w") as logf:
+        rc = subprocess.run(cmd, cwd=tree, env=env_vars, stdout=logf, stderr=subprocess.STDOUT).returncode
+    with open(os.path.join(out, "pytest.log")) as f:
+        lines = f.read().splitlines()
+    print("\n".join(lines[-(40 if rc else 1) :]), flush=True)
+    s = ET.parse(junit).getroot()
+    s = s if s.tag == "testsuite" else s.find("testsuite")
+    counts = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    row = {
+        "name": name,
+        "python": probe["python"],
+        "stack": stack,
+        **{k: probe[k] for k in ("fastai", "fastcore", "torch", "torchvision", "numpy", "copy_on_openmp")},
+        "wheel": os.path.basename(wheel),
+        "installed": {"version": probe["fastai-resume"], "package": probe["package"], "core": probe["core"]},
+        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        "failed": counts["failures"] + counts["errors"],
+        "skipped": counts["skipped"],
+        "pytest_rc": rc,
+        "environment": {"name": os.path.basename(env), "installed_now": built},
+        "seconds": {"setup": round(t1 - t0, 1), "tests": round(time.monotonic() - t1, 1)},
+    }
+    assert probe["version"] == probe["fastai-resume"], probe  # the wheel's metadata is the package's own
+    log(f"{name}: {row['passed']} passed, {row['failed']} failed, {row['skipped']} skipped {row['seconds']}")
+    return row
+
+
+def render(res) -> str:
+    "The README's table: what each row ran, nothing timed."
+    out = [
+        "| Python | fastai | fastcore | torch | torchvision | numpy | stack | snapshot copy | tests |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        copy = "torch's OpenMP pool" if r["copy_on_openmp"] else "a thread of its own"
+        tests = f"{r['passed']} passed" + (f", {r['failed']} failed" if r["failed"] else "")
+        out.append(
+            f"| {r['python']} | {r['fastai']} | {r['fastcore']} | {r['torch']} | {r['torchvision']} | {r['numpy']} "
+            f"| {r['stack']} | {copy} | {tests} |"
+        )
+    wheel = re.sub(r"-cp\d+-cp\d+-", "-cpXY-cpXY-", res["rows"][0]["wheel"])
+    out += [
+        "",
+        f"Each row: the wheel of its Python (`{wheel}`) installed by pip into a clean venv, then "
+        + ", ".join(f"`{t}`" for t in res["tests"])
+        + f" (`-m '{res['select']}'`), run from a copy of the checkout without the package"
+        + f" ({res['platform']}, `{res['command']}`, `.ci/matrix.json`).",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def problems(text, res) -> list:
+    m = BLOCK.search(text)
+    if m is None:
+        return ["docs/install.md has no <!-- matrix --> block"]
+    if m.group("body") != render(res):
+        return ["docs/install.md's matrix differs from .ci/matrix.json (run python3 .ci/matrix.py --rewrite)"]
+    return []
+
+
+def rewrite(text, res) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render(res) + m.group(3), text, count=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", metavar="PY:STACK", help="e.g. 3.12:newest (default: every row)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README's table differs from .ci/matrix.json")
+    ap.add_argument("--rewrite", action="store_true", help="write the README's table from .ci/matrix.json")
+    a = ap.parse_args()
+    if a.check or a.rewrite:
+        with open(RESULTS) as f:
+            res = json.load(f)
+        with open(README) as f:
+            text = f.read()
+        if a.rewrite:
+            with open(README, "w") as f:
+                f.write(rewrite(text, res))
+            text = rewrite(text, res)
+        bad = problems(text, res)
+        print("\n".join(bad) or "README.md's matrix is .ci/matrix.json's", file=sys.stderr if bad else sys.stdout)
+        sys.exit(1 if bad else 0)
+
+    t0, load0 = time.monotonic(), round(os.getloadavg()[0], 1)
+    every = [(py, st) for py in pythons() for st in STACKS]
+    rows = [tuple(r.split(":")) for r in a.rows] if a.rows else every
+    prune_cache()
+    log(f"building the sdist and the wheels for Python {', '.join(pythons())}")
+    sdist, wheels = build_dists(pythons())
+    tree = checkout_copy()
+    t_build = time.monotonic() - t0
+    log(f"{os.path.basename(sdist)} and {len(wheels)} wheels in {t_build:.0f} s; environments in {CACHE}")
+    out = [run_row(py, st, wheels[py], tree) for py, st in rows]
+    res = {
+        "command": "make matrix",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "platform": f"{platform.system().lower()} {platform.machine()}",
+        "cores": os.cpu_count(),
+        "loadavg": {"start": load0, "end": round(os.getloadavg()[0], 1)},  # a machine shared with other work
+        "sdist": os.path.basename(sdist),
+        "tests": TESTS,
+        "select": SELECT,
+        "rows": out,
+        "seconds": {"build": round(t_build, 1), "total": round(time.monotonic() - t0, 1)},
+    }
+    path = RESULTS if rows == every else os.path.join(BUILD, "matrix.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+        f.write("\n")
+    failed = [r["name"] for r in out if r["failed"] or r["pytest_rc"] or not r["passed"]]
+    log(f"{len(out)} rows in {res['seconds']['total']:.0f} s, written to {os.path.relpath(path, ROOT)}")
+    if path == RESULTS:
+        with open(README) as f:
+            for p in problems(f.read(), res):
+                log(f"note: {p}")  # a newer numpy or fastcore resolved: not a failure
+    if failed:
+        sys.exit(f"matrix: failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

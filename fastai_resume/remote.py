@@ -1,0 +1,906 @@
+"""Checkpoints mirrored to object storage (any fsspec URL: s3://, gs://, az://, file:// on a network file
+system), and resumed from it on another machine, whose local disk starts empty.
+
+The remote folder of a run holds, for each checkpoint `NAME` (the local file's name):
+- `NAME`: the file's bytes, uploaded in parts of `CHUNK` (multipart on object stores: memory stays bounded)
+  from an open descriptor (local retention may unlink the file meanwhile), then read back and checked
+  against the CRC32C of what was sent;
+- `NAME.done`: the marker, written last, one small object (a single PUT: complete or absent): JSON with
+  the size and CRC32C of `NAME` and of each stage-end file it names. A checkpoint without its marker (an
+  upload in progress, or killed) does not exist for a resume; one whose bytes do not match their marker
+  is set aside as `NAME.corrupt` (the marker renamed), as autoresume renames a corrupt local file;
+- `END.t<token>`: each stage-end file (`between`) a kept checkpoint names, under its token (the same
+  name is written again when a stage is run again, with another token): immutable, uploaded before the
+  marker that names it, deleted once no kept marker names it;
+- `.<fname>-<run>.lock`: the run's lease, JSON renewed every `RENEW` seconds by the process that
+  mirrors it; another process takes it only once it has seen it unchanged for 4 renewals (a lost
+  machine's), or at once when it names a process of this machine that is gone.
+
+`Mirror` is one run's mirror: a thread uploads the newest local checkpoint each time one is committed
+(those committed while an upload runs are skipped: the next upload takes the newest), retries with
+backoff while the remote fails, then applies `keep` there (the marker of a stale checkpoint goes first,
+and only after a newer one is complete). Training never waits for it, but at the end of the process
+(a normal end, an exception, a SIGTERM's exit), which waits up to `wait` seconds for the newest
+checkpoint to be mirrored. What it says (behind, caught up, given up) is said in the training thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io as _io
+import json
+import os
+import posixpath
+import re
+import secrets
+import socket
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from . import _core, io, paths
+from .io import CheckpointError
+
+__all__ = ["INSTALL", "Mirror", "RemoteError", "filesystem", "fetch", "is_url"]
+
+INSTALL = "pip install 'fastai-resume[remote]'"
+_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError")  # botocore's, google's
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+CHUNK = 16 << 20  # one part of an upload, one ranged read of a download: the memory a transfer holds
+RENEW = 15.0  # seconds between two renewals of the run's lease
+MARKER, CORRUPT = ".done", ".corrupt"
+_END_KEY = re.compile(r"^(?P<file>.+-s\d{3}-end" + re.escape(io.EXT) + r")\.t(?P<token>[0-9a-f]{16})$")
+
+
+class RemoteError(OSError):
+    "The remote cannot be used (credentials refused, no such bucket, unreachable); the message says which."
+
+
+def is_url(file) -> bool:
+    "A URL (`s3://...`, `file://...`) rather than a local name or path."
+    return isinstance(file, str) and _URL.match(file) is not None
+
+
+def filesystem(url: str, options: dict | None = None):
+    """(fsspec file system, root path without a trailing '/') of `url`. Missing packages: an ImportError
+    of one line that says what to install."""
+    proto = url.split("://", 1)[0].lower()
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(f"a remote ({url}) needs fsspec: {INSTALL}") from None
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    except ImportError:
+        pkg = _PACKAGES.get(proto, f"fsspec's implementation of {proto}://")
+        how = INSTALL if pkg == "s3fs" else f"pip install {pkg}"
+        raise ImportError(f"a remote ({url}) needs {pkg}: {how}") from None
+    return fs, root.rstrip("/")
+
+
+def _is_local(fs) -> bool:
+    protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protos or "local" in protos
+
+
+def _say(msg: str) -> None:
+    "What the operator must hear even where warnings are filtered out (as AutoCheckpoint says it)."
+    warnings.warn(msg, stacklevel=3)
+    print(msg, flush=True)
+
+
+def _age(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s} s" if s < 120 else f"{s // 60} min {s % 60} s" if s < 7200 else f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def _reason(e: BaseException) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if isinstance(e, (OSError, CheckpointError)) else f"{type(e).__name__}: {msg}"
+
+
+# ---- transfers ----------------------------------------------------------------------------------
+
+
+def upload(fs, f, key: str, size: int) -> int:
+    """Streams `size` bytes of the open binary file `f` to `key`, in parts of `CHUNK` or more (an object
+    store takes at most 10,000 parts). Returns the CRC32C of what was sent. A failed upload is discarded
+    where the store allows (an unfinished multipart upload is never an object)."""
+    block = max(CHUNK, -(-size // 9000))
+    crc, sent = 0, 0
+    out = fs.open(key, "wb", block_size=block) if not _is_local(fs) else fs.open(key, "wb")
+    try:
+        while sent < size:
+            chunk = f.read(min(block, size - sent))
+            if not chunk:
+                raise CheckpointError(f"{getattr(f, 'name', key)}: the file ended at {sent:,} of {size:,} bytes")
+            crc = _core.crc32c(chunk, crc)
+            out.write(chunk)
+            sent += len(chunk)
+        out.close()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if hasattr(out, "discard"):
+                out.discard()
+                out.closed = True  # (its close would upload the part it holds)
+            else:
+                out.close()
+        raise
+    return crc
+
+
+def remote_crc(fs, key: str, size: int) -> int:
+    "CRC32C of the first `size` bytes of the remote object `key`, read back in ranges of `CHUNK`."
+    crc = 0
+    for start in range(0, size, CHUNK):
+        data = fs.cat_file(key, start=start, end=min(size, start + CHUNK))
+        if len(data) != min(CHUNK, size - start):
+            raise CheckpointError(f"{key}: the remote object is shorter than its {size:,} bytes")
+        crc = _core.crc32c(data, crc)
+    return crc
+
+
+def download(fs, key: str, dest: Path, expect: dict | None = None) -> tuple:
+    """Streams the remote object `key` into `dest`, atomically (a temporary file beside it, fsynced,
+    renamed: a kill leaves no partial `dest`). `expect`: {"size", "crc32c"} the bytes must match, or
+    `CheckpointError` (the remote copy is not what was uploaded). Returns (size, crc32c)."""
+    size = int(fs.info(key)["size"])
+    if expect is not None and size != expect["size"]:
+        raise CheckpointError(f"{key}: {size:,} bytes on the remote, {expect['size']:,} uploaded")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp.{os.getpid()}.{secrets.token_hex(8)}")  # checkpoint.remove_dead_temps's
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    crc = 0
+    try:
+        for start in range(0, size, CHUNK):
+            data = fs.cat_file(key, start=start, end=min(size, start + CHUNK))
+            if len(data) != min(CHUNK, size - start):
+                raise CheckpointError(f"{key}: the remote object changed while it was read")
+            crc = _core.crc32c(data, crc)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        if expect is not None and crc != expect["crc32c"]:
+            raise CheckpointError(
+                f"{key}: the remote copy differs from what was uploaded "
+                f"(CRC32C {crc:08x}, uploaded {expect['crc32c']:08x})"
+            )
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(tmp, dest)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return size, crc
+
+
+def local_crc(path) -> tuple:
+    "(size, CRC32C) of a local file, read in pieces."
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = _core.crc32c(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def _ends_named(path) -> list:
+    "The stage-end files (`between`) a checkpoint names: [(file relative to its folder, token)]."
+    train = io.info(path, verify=False)["tree"].get("train")
+    script = train.get("script") if isinstance(train, dict) else None
+    ends = script.get("ends") if isinstance(script, dict) else None
+    out = []
+    for e in ends if isinstance(ends, list) else ():
+        if isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("token"), int):
+            out.append((e["file"], e["token"]))
+    return out
+
+
+def _end_key(file: str, token: int) -> str:
+    return f"{file}.t{token:016x}"
+
+
+def _plain(name) -> bool:
+    "A file name of the folder itself (no separator, not '.' or '..'): the only names mirrored."
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def _manifest(raw: bytes, name: str, where: str) -> dict:
+    "A marker's JSON, checked before a field of it is used (the remote is untrusted)."
+
+    def need(ok, what):
+        if not ok:
+            raise CheckpointError(f"{where}: malformed marker: {what}")
+
+    try:
+        m = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}: malformed marker: {e}") from None
+
+    def sized(d, what):
+        need(isinstance(d, dict), f"{what}: expected an object")
+        for k, hi in (("size", 1 << 62), ("crc32c", 1 << 32)):
+            need(isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 <= d[k] < hi, f"{what}.{k}")
+
+    sized(m, "marker")
+    need(m.get("name") == name, f"name {m.get('name')!r}, expected {name!r}")
+    need(isinstance(m.get("ends"), list), "ends: expected a list")
+    for i, end in enumerate(m["ends"]):
+        sized(end, f"ends[{i}]")
+        need(_plain(end.get("file")) and _plain(end.get("key")), f"ends[{i}]: a plain file name")
+    return m
+
+
+# ---- one run's mirror ---------------------------------------------------------------------------
+
+
+def _machine() -> str:
+    "This machine (and pid namespace): where a lock's process id can be looked up."
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, ns = "?", 0
+    return f"{socket.gethostname()} {boot} {ns}"
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
+
+
+class Mirror:
+    """The remote copy of one run's checkpoints (`AutoCheckpoint(remote=...)`): see the module's doc.
+
+    `open()` (at the run's start) takes the run's lease on the remote and fails at once, with a message
+    that says why, where the remote refuses the credentials, lacks the bucket or cannot be reached.
+    `resume_point(local)` is the checkpoint to resume from (downloading a newer one the remote has);
+    `committed(path)` hands a new local checkpoint to the upload thread."""
+
+    def __init__(self, url, options, folder: Path, fname: str, run_id: str, keep: int, wait: float):
+        self.url = url if url.endswith("/") else url + "/"
+        self.fs, self.root = filesystem(url, options)
+        self.folder, self.keep, self.wait = Path(folder), keep, wait
+        self.prefix = f"{fname}-{run_id}-"
+        self.pattern = re.compile(
+            re.escape(self.prefix) + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}" + re.escape(io.EXT) + "$"
+        )
+        self.lock_name = f".{fname}-{run_id}.lock"
+        self.token = secrets.token_hex(8)
+        self.cond = threading.Condition()
+        self.want: Path | None = None  # the newest local checkpoint, to mirror
+        self.newest: str | None = None  # the newest checkpoint complete on the remote
+        self.commits = 0  # local checkpoints handed over by this process
+        self.mirrored_commits = 0  # ... of which the newest mirrored was the n-th
+        self.behind_since: float | None = None  # since when an upload has been failing
+        self.started: tuple | None = None  # (when, name, commits then) of the upload in progress
+        self.error: BaseException | None = None
+        self.lost: str | None = None  # another process took the lease: this one mirrors no more
+        self.closing = False
+        self.deadline: float | None = None  # set at the end: how long the last upload may still take
+        self.messages: list = []
+        self.last_said = 0.0
+        self.beat = 0
+        self.threads: list = []
+        self.ends: dict = {}  # (file, token) -> {"file", "key", "size", "crc32c"} uploaded
+
+    def key(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    # -- listing and markers
+    def listing(self) -> dict:
+        "name -> size of every object in the remote folder (fresh: no listing cache)."
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0) for e in entries}
+
+    def complete(self, listing: dict | None = None) -> list:
+        "This run's checkpoints complete on the remote (data and marker), oldest first."
+        ls = self.listing() if listing is None else listing
+        return sorted(n for n in ls if self.pattern.match(n) and n + MARKER in ls)
+
+    def manifest(self, name: str) -> dict:
+        return _manifest(self.fs.cat_file(self.key(name + MARKER)), name, self.url + name + MARKER)
+
+    # -- the lease
+    def _read_lock(self):
+        try:
+            raw = self.fs.cat_file(self.key(self.lock_name))
+        except FileNotFoundError:
+            return None
+        try:
+            held = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return {"token": None, "raw": raw}
+        return held if isinstance(held, dict) else {"token": None, "raw": raw}
+
+    def _write_lock(self):
+        self.beat += 1
+        body = {
+            "token": self.token,
+            "pid": os.getpid(),
+            "machine": _machine(),
+            "beat": self.beat,
+            "renew_seconds": RENEW,
+        }
+        self.fs.pipe_file(self.key(self.lock_name), json.dumps(body).encode())
+
+    def _holder(self, held) -> str:
+        return f"process {held.get('pid')} on {str(held.get('machine', '?')).split(' ')[0]}"
+
+    def _take_lock(self):
+        held = self._read_lock()
+        if held is not None and held.get("token") != self.token:
+            if held.get("machine") == _machine():
+                if _alive(held.get("pid")):
+                    raise RuntimeError(
+                        f"AutoCheckpoint: {self._holder(held)} is already mirroring this run to {self.url} (lock "
+                        f"{self.lock_name}); two processes writing one run's checkpoints would delete each other's "
+                        "files. Stop the other one, or give this one another fname or remote."
+                    )
+            else:
+                renew = held.get("renew_seconds")
+                renew = float(renew) if isinstance(renew, (int, float)) and 0 < renew <= 3600 else RENEW
+                limit = 4 * renew
+                print(
+                    f"AutoCheckpoint: {self.url} is held by {self._holder(held)} (lock {self.lock_name}); waiting up "
+                    f"to {limit:.0f} s to see whether it still renews it (a lost machine does not)",
+                    flush=True,
+                )
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < limit:
+                    time.sleep(min(1.0, renew / 4))
+                    now = self._read_lock()
+                    if now != held:
+                        raise RuntimeError(
+                            f"AutoCheckpoint: {self._holder(now or held)} is mirroring this run to {self.url} (it "
+                            f"renewed the lock {self.lock_name} just now); two machines writing one run's checkpoints "
+                            "would delete each other's files. Stop the other one, or give this one another remote."
+                        )
+                print(f"AutoCheckpoint: {self._holder(held)} has not renewed its lock for {limit:.0f} s: taken over")
+        self._write_lock()
+        time.sleep(1.0)  # two machines taking a free lease at once: the one written last wins, the other sees it
+        now = self._read_lock()
+        if now is None or now.get("token") != self.token:
+            raise RuntimeError(
+                f"AutoCheckpoint: {self._holder(now or {})} took the lock {self.lock_name} of {self.url} at the same "
+                "time as this process; two machines writing one run's checkpoints would delete each other's files."
+            )
+
+    def _fence(self):
+        "Raises `_Lost` (and this mirror stops) if another process holds the lease now."
+        held = self._read_lock()
+        if held is None:  # removed (by hand): nobody else holds it
+            return self._write_lock()
+        if held.get("token") != self.token:
+            who = self._holder(held)
+            self.lost = (
+                f"AutoCheckpoint: the lock {self.lock_name} of {self.url} is held by {who} now (this process did not "
+                "renew it in time: the remote was unreachable): this process no longer mirrors the run (its local "
+                "checkpoints go on), so as not to delete the other one's files"
+            )
+            raise _Lost(self.lost)
+
+    # -- start
+    def open(self):
+        """Takes the run's lease and removes what killed uploads left; fails now, saying why, where the
+        remote cannot be used (the credentials, the bucket, the network), rather than hours later."""
+        tries = (2.0, 4.0, 8.0)
+        for i in range(len(tries) + 1):
+            try:
+                if _is_local(self.fs):
+                    self.fs.makedirs(self.root, exist_ok=True)
+                self.listing()
+                self._take_lock()
+                break
+            except RuntimeError:
+                raise  # the lease: held by another process
+            except Exception as e:
+                if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
+                    raise RemoteError(
+                        None,
+                        f"AutoCheckpoint: the remote {self.url} refused the credentials ({_reason(e)}); check them "
+                        "(for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
+                        "remote_options=dict(key=..., secret=...)). Training has not started.",
+                    ) from None
+                if isinstance(e, FileNotFoundError):
+                    raise RemoteError(
+                        None,
+                        f"AutoCheckpoint: the remote {self.url} does not exist ({_reason(e)}): create the bucket "
+                        "(or folder) first. Training has not started.",
+                    ) from None
+                if i == len(tries):
+                    raise RemoteError(
+                        None,
+                        f"AutoCheckpoint: cannot reach the remote {self.url} ({_reason(e)}), tried {i + 1} times. "
+                        "Training has not started: without the remote, this machine cannot know whether it holds a "
+                        "newer checkpoint of this run.",
+                    ) from None
+                time.sleep(tries[i])
+        self._clean()
+        self._retain()  # a process killed between a marker and the retention after it
+        done = self.complete()
+        self.newest = done[-1] if done else None
+        for target in (self._upload_loop, self._renew_loop):
+            t = threading.Thread(target=target, name="fastai_resume-remote", daemon=True)
+            t.start()
+            self.threads.append(t)
+        atexit.register(self.close)
+
+    def _clean(self):
+        "Data of killed uploads (no marker) and stage-end files no marker names: never a checkpoint."
+        ls = self.listing()
+        named = set()
+        for n in self.complete(ls):
+            with contextlib.suppress(Exception):
+                for e in self.manifest(n)["ends"]:
+                    named.add(e["key"])
+                    m = _END_KEY.match(e["key"])
+                    if m and m["file"] == e["file"]:  # uploaded already: not again (`_mirror_end`)
+                        self.ends[(e["file"], int(m["token"], 16))] = e
+        for n in ls:
+            orphan = self.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls
+            m = _END_KEY.match(n)
+            if orphan or (m and n.startswith(self.prefix) and n not in named):
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(self.key(n))
+
+    def names(self) -> list:
+        "This run's checkpoint names on the remote (complete or set aside as corrupt): for attempt numbering."
+        ls = self.listing()
+        return sorted(n for n in ls if self.pattern.match(n) and (n + MARKER in ls or n + CORRUPT in ls))
+
+    # -- resume
+    def resume_point(self, local: Path | None) -> Path | None:
+        """The checkpoint to resume from: `local` (the newest valid local one), or a newer one complete on
+        the remote, downloaded into the local folder with the stage-end files it names and verified. A
+        remote copy that does not verify is named in a warning and set aside (`NAME.corrupt`)."""
+        for name in reversed(self.complete()):
+            if local is not None and name <= local.name:
+                break
+            try:
+                return self.fetch(name)
+            except (CheckpointError, FileNotFoundError) as e:  # (a marker whose data is gone)
+                _say(f"AutoCheckpoint: skipping {self.url}{name}: {_reason(e)}")
+                self._set_aside(name)
+            except OSError as e:  # this machine's disk (full, read-only): not the remote's fault, and not this run's
+                raise RemoteError(e.errno, f"AutoCheckpoint: could not download {self.url}{name}: {_reason(e)}") from e
+            except Exception as e:  # the network: the remote's copy may be fine
+                raise RemoteError(
+                    None,
+                    f"AutoCheckpoint: could not download {self.url}{name} ({_reason(e)}); run the script again once "
+                    "the remote is reachable: training has not started",
+                ) from e
+        return local
+
+    def fetch(self, name: str) -> Path:
+        t0 = time.perf_counter()
+        m = self.manifest(name)
+        dest = self.folder / name
+        try:
+            n, _ = download(self.fs, self.key(name), dest, m)
+            io.info(dest, verify=True)
+        except CheckpointError:
+            with contextlib.suppress(OSError):
+                dest.unlink()
+            raise
+        ends = fetch_ends(self.fs, self.root, self.url, dest, {e["key"]: e for e in m["ends"]})
+        print(
+            f"AutoCheckpoint: downloaded {name} from {self.url} ({n:,} bytes{ends}, {time.perf_counter() - t0:.1f} s; "
+            "checksums verified)",
+            flush=True,
+        )
+        return dest
+
+    def _set_aside(self, name):
+        with contextlib.suppress(Exception):
+            self.fs.pipe_file(self.key(name + CORRUPT), self.fs.cat_file(self.key(name + MARKER)))
+            self.fs.rm_file(self.key(name + MARKER))
+
+    # -- uploads
+    def committed(self, path: Path) -> None:
+        "A local checkpoint was committed: the upload thread mirrors it (or a newer one). Says what is due."
+        with self.cond:
+            self.commits += 1
+            self.want = Path(path)
+            self.cond.notify_all()
+        self.say_due()
+
+    def say_due(self) -> None:
+        """What the upload thread has to say, said in the caller's (the training) thread; and, at most once a
+        minute, how far behind the remote is while uploads fail, or while one has taken a minute or more and
+        a newer checkpoint than the one it uploads is already waiting (a slow remote)."""
+        with self.cond:
+            msgs, self.messages = self.messages, []
+            now, behind = time.monotonic(), self.commits - self.mirrored_commits
+            failing = self.error is not None and self.behind_since is not None
+            slow = self.started is not None and now - self.started[0] >= 60 and self.commits > self.started[2]
+            if (failing or slow) and self.lost is None and now - self.last_said >= 60 and behind > 0:
+                self.last_said = now
+                msgs.append(self._behind(behind, now))
+        for m in msgs:
+            _say(m)
+
+    def _behind(self, n: int, now: float) -> str:
+        newest = f"its newest checkpoint is {self.newest}" if self.newest else "it has no checkpoint of this run"
+        if self.error is not None and self.behind_since is not None:
+            why = f"uploads have failed for {_age(now - self.behind_since)}: {_reason(self.error)}"
+        else:
+            t0, name, _ = self.started or (now, "?", 0)
+            why = f"the upload of {name} has taken {_age(now - t0)} so far"
+        return (
+            f"AutoCheckpoint: the remote {self.url} is {n} checkpoint{'s' if n != 1 else ''} behind ({newest}; "
+            f"{why}). Training goes on and local checkpoints are written; the upload goes on (a failed one is retried)."
+        )
+
+    def _upload_loop(self):
+        backoff = 1.0
+        while True:
+            with self.cond:
+                while not self.closing and (self.want is None or self.want.name == self.newest or self.lost):
+                    self.cond.wait()
+                if self.lost or (self.closing and (self.want is None or self.want.name == self.newest)):
+                    return
+                path, count = self.want, self.commits
+                self.started = (time.monotonic(), path.name, count)
+            try:
+                self._mirror(path)
+                with self.cond:
+                    if self.behind_since is not None:
+                        self.messages.append(
+                            f"AutoCheckpoint: the remote {self.url} is up to date again ({path.name}), after "
+                            f"{_age(time.monotonic() - self.behind_since)} behind"
+                        )
+                    self.newest, self.mirrored_commits = path.name, count
+                    self.error = self.behind_since = None
+                    backoff = 1.0
+            except _Lost:
+                with self.cond:
+                    self.messages.append(self.lost)
+                return
+            except Exception as e:
+                with self.cond:
+                    if isinstance(e, FileNotFoundError) and self.want != path:
+                        continue  # local retention removed it: a newer one is due
+                    first = self.behind_since is None
+                    self.error = e
+                    if first:
+                        self.behind_since = time.monotonic()
+                        self.last_said = 0.0  # said at the next checkpoint (or at the end)
+                    self.cond.wait_for(lambda: self.closing and self._deadline_passed(), timeout=backoff)
+                backoff = min(backoff * 2, 60.0)
+            finally:
+                with self.cond:
+                    self.started = None
+                    self.cond.notify_all()
+
+    def _deadline_passed(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _mirror(self, path: Path) -> None:
+        "Uploads `path` and the stage-end files it names, checks them, writes its marker, applies `keep`."
+        name = path.name
+        with open(path, "rb") as f:  # held open: retention may unlink the file meanwhile
+            size = os.fstat(f.fileno()).st_size
+            ls = self.listing()
+            if name + MARKER in ls:
+                try:
+                    old = self.manifest(name)
+                except CheckpointError:
+                    old = None
+                if old is not None and (old["size"], old["crc32c"]) == local_crc(f"/proc/self/fd/{f.fileno()}"):
+                    return  # already there (a rerun that resumed from it)
+                self._fence()
+                self.fs.rm_file(self.key(name + MARKER))  # its bytes are about to change: no marker meanwhile
+            ends = [self._mirror_end(file, token, ls) for file, token in _ends_named(f"/proc/self/fd/{f.fileno()}")]
+            crc = upload(self.fs, f, self.key(name), size)
+        if int(self.fs.info(self.key(name))["size"]) != size or remote_crc(self.fs, self.key(name), size) != crc:
+            raise CheckpointError(f"{self.url}{name}: the remote copy read back differs from what was sent")
+        marker = {"name": name, "size": size, "crc32c": crc, "ends": [e for e in ends if e is not None]}
+        marker.update(uploaded=time.time(), machine=_machine().split(" ")[0], pid=os.getpid())
+        self._fence()
+        self.fs.pipe_file(self.key(name + MARKER), json.dumps(marker).encode())
+        if name + CORRUPT in ls:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.key(name + CORRUPT))
+        self._retain()
+
+    def _mirror_end(self, file: str, token: int, ls: dict):
+        "A stage-end file a checkpoint names, uploaded once under its token: its marker entry."
+        known = self.ends.get((file, token))
+        key = _end_key(file, token)
+        if known is not None and key in ls:
+            return known
+        if not _plain(file):
+            self.messages.append(f"AutoCheckpoint: the stage-end file {file} is not in {self.folder}: not mirrored")
+            return None
+        path = self.folder / file
+        try:
+            with open(path, "rb") as f:
+                proc = f"/proc/self/fd/{f.fileno()}"
+                end = io.info(proc, verify=False)["tree"].get("end")
+                if not isinstance(end, dict) or end.get("token") != token:
+                    return None  # written again since (a rerun of its stage): the checkpoint's own is gone
+                size = os.fstat(f.fileno()).st_size
+                crc = upload(self.fs, f, self.key(key), size)
+        except FileNotFoundError:
+            self.messages.append(f"AutoCheckpoint: the stage-end file {path} is gone: not mirrored")
+            return None
+        if remote_crc(self.fs, self.key(key), size) != crc:
+            raise CheckpointError(f"{self.url}{key}: the remote copy read back differs from what was sent")
+        entry = {"file": file, "key": key, "size": size, "crc32c": crc}
+        self.ends[(file, token)] = entry
+        return entry
+
+    def _retain(self) -> None:
+        "Keeps the newest `keep` complete checkpoints (markers go first) and the stage-end files they name."
+        ls = self.listing()
+        done = self.complete(ls)
+        for name in done[: -self.keep]:
+            self._fence()
+            for n in (name + MARKER, name):
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self.key(n))
+        named = set()
+        for name in done[-self.keep :]:
+            with contextlib.suppress(CheckpointError, FileNotFoundError):
+                named |= {e["key"] for e in self.manifest(name)["ends"]}
+        for n in ls:
+            if _END_KEY.match(n) and n.startswith(self.prefix) and n not in named:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self.key(n))
+
+    def _renew_loop(self):
+        while True:
+            with self.cond:
+                if self.cond.wait_for(lambda: self.closing or self.lost is not None, timeout=RENEW):
+                    return
+            try:
+                self._fence()
+                self._write_lock()
+            except _Lost:
+                with self.cond:
+                    self.messages.append(self.lost)
+                return
+            except Exception:
+                pass  # unreachable: the upload thread says so; the lease lapses if it stays so
+
+    # -- end
+    def close(self) -> None:
+        """At the process's end: waits up to `wait` seconds for the newest local checkpoint to be mirrored
+        (saying so, and what the remote has if it is not), then releases the lease. Once."""
+        with self.cond:
+            if self.closing:
+                return
+            want = self.want
+            pending = want is not None and want.name != self.newest and self.lost is None
+            self.deadline = time.monotonic() + self.wait
+            self.closing = True
+            self.cond.notify_all()
+            if want is not None and pending:
+                print(f"AutoCheckpoint: mirroring {want.name} to {self.url} (waiting up to {self.wait:.0f} s)")
+                sys.stdout.flush()
+                self.cond.wait_for(
+                    lambda: self.lost is not None or self.newest == want.name or self._deadline_passed(),
+                    timeout=self.wait,
+                )
+            done = want is None or self.newest == want.name
+        if want is not None and done:  # the process's last word on the remote, as it ends
+            print(f"AutoCheckpoint: {want.name} is on {self.url}", flush=True)
+        elif want is not None and pending and self.lost is None:
+            why = _reason(self.error) if self.error else "the upload did not finish in time"
+            print(
+                f"AutoCheckpoint: exiting with the remote {self.url} behind: it has {self.newest or 'no checkpoint'} "
+                f"of this run; {want.name} is on this machine only ({why})",
+                flush=True,
+            )
+        self.say_due()
+        if self.lost is None:
+            with contextlib.suppress(Exception):
+                held = self._read_lock()
+                if held is not None and held.get("token") == self.token:
+                    self.fs.rm_file(self.key(self.lock_name))
+
+
+class _Lost(Exception):
+    "Another process holds the run's lease: this mirror stops."
+
+
+_MIRRORS: dict = {}  # (url, folder, prefix) -> the Mirror of this process
+
+
+def mirror_for(url, options, folder: Path, fname: str, run_id: str, keep: int, wait: float) -> Mirror:
+    "This process's mirror of one run (every AutoCheckpoint of the run shares it), opened on first use."
+    k = (url, str(folder), fname, run_id)
+    m = _MIRRORS.get(k)
+    if m is None:
+        m = Mirror(url, options, folder, fname, run_id, keep, wait)
+        m.open()
+        _MIRRORS[k] = m
+    return m
+
+
+# ---- the manual path and the CLI ---------------------------------------------------------------
+
+
+def fetch_ends(fs, root: str, url: str, dest: Path, known: dict) -> str:
+    """The stage-end files the checkpoint at `dest` names, downloaded beside it from the remote folder
+    `root` (under their token, or their own name for a file copied there by hand); `known`: key -> the
+    marker's entry (size, CRC32C) to check. Returns what to add to the download's line."""
+    got, missing = 0, []
+    for file, token in _ends_named(dest):
+        if not _plain(file):
+            continue
+        target = dest.parent / file
+        with contextlib.suppress(CheckpointError, OSError):
+            end = io.info(target, verify=False)["tree"].get("end")
+            if isinstance(end, dict) and end.get("token") == token:
+                continue  # already here
+        for key in (_end_key(file, token), file):
+            try:
+                download(fs, f"{root}/{key}", target, known.get(key))
+                got += 1
+                break
+            except FileNotFoundError:
+                continue
+            except CheckpointError as e:
+                _say(f"fastai_resume: {e}: not used")
+                break
+        else:
+            missing.append(file)
+    if missing:
+        _say(
+            f"fastai_resume: {url} lacks the stage-end file(s) {', '.join(missing)} that {dest.name} names: a rerun "
+            "that skips those stages says so and refuses what would need their state"
+        )
+    return f" and {got} stage-end file{'s' if got != 1 else ''}" if got else ""
+
+
+def _split(url: str):
+    fs, key = filesystem(url)
+    return fs, key, posixpath.dirname(key), posixpath.basename(key)
+
+
+def _marker_of(fs, key: str, name: str, url: str) -> dict | None:
+    try:
+        raw = fs.cat_file(key + MARKER)
+    except FileNotFoundError:
+        return None
+    return _manifest(raw, name, url + MARKER)
+
+
+def fetch(learn, url: str) -> Path:
+    """`learn.load(url)`: the remote file downloaded (streamed, checked against its marker when it has
+    one) into the learner's model folder under its own name, with the stage-end files it names; a local
+    file of that name is reused if it has the same bytes, and never replaced by other ones."""
+    fs, key, root, name = _split(url)
+    if not name:
+        raise ValueError(f"learn.load({url!r}): name a file, not a folder")
+    dest = paths.resolve(learn, name)
+    t0 = time.perf_counter()
+    m = _marker_of(fs, key, name, url)
+    if dest.exists():
+        size, crc = local_crc(dest)
+        if m is None:
+            if size == int(fs.info(key)["size"]) and remote_crc(fs, key, size) == crc:
+                m = {"size": size, "crc32c": crc}
+        if m is None or (m["size"], m["crc32c"]) != (size, crc):
+            raise FileExistsError(
+                None, f"learn.load({url!r}): {dest} exists and differs from the remote file; move it away first"
+            )
+        how = "already here"
+    else:
+        n, _ = download(fs, key, dest, m)
+        how = f"downloaded {n:,} bytes"
+    ends = fetch_ends(fs, root, url, dest, {e["key"]: e for e in m["ends"]} if m and "ends" in m else {})
+    print(f"fastai_resume: {url} -> {dest} ({how}{ends}, {time.perf_counter() - t0:.1f} s)", flush=True)
+    return dest
+
+
+@contextlib.contextmanager
+def local_copy(url: str):
+    "A downloaded copy of the remote file `url` in a temporary folder (checked against its marker if any)."
+    fs, key, _, name = _split(url)
+    with tempfile.TemporaryDirectory(prefix="fastai-resume-") as d:
+        dest = Path(d) / (name or "file")
+        download(fs, key, dest, _marker_of(fs, key, name, url))
+        yield dest
+
+
+def is_folder(url: str) -> bool:
+    fs, key = filesystem(url)
+    return url.endswith("/") or fs.isdir(key)
+
+
+def scan(url: str):
+    """A remote folder's objects for `verify`: (name, None) for each to verify, (name, why) for each other one
+    (markers, the lease, an upload without its marker)."""
+    fs, root = filesystem(url)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(None, f"{url}: no such remote folder") from None
+    names = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") != "directory")
+    have = set(names)
+    for n in names:
+        if n.endswith(MARKER) and n[: -len(MARKER)] in have:
+            yield n, f"the marker of {n[: -len(MARKER)]} (its upload is complete)"
+        elif n.endswith(CORRUPT):
+            yield n, "set aside as corrupt by autoresume (the marker of a copy that did not verify)"
+        elif n.startswith(".") and n.endswith(".lock"):
+            yield n, "a run's lock (the process mirroring it)"
+        elif n.endswith(io.EXT) and n + MARKER not in have and re.search(r"-g\d{3}-s\d{3}-f\d{2}-e\d{6}-i\d{10}", n):
+            yield n, "an upload without its marker (in progress, or killed): not a checkpoint yet"
+        else:
+            yield n, None
+
+
+def cli_inspect(a, inspect) -> int:
+    "`fastai-resume inspect URL`: the command run on a downloaded copy, its output naming the URL."
+    url = a.file
+    with local_copy(url) as local:
+        a.file = str(local)
+        buf = _io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                return inspect(a)
+        except (OSError, CheckpointError, ValueError) as e:
+            raise type(e)(str(e).replace(str(local), url)) from None
+        finally:
+            sys.stdout.write(buf.getvalue().replace(str(local), url))
+
+
+def cli_verify(url: str, problem) -> int:
+    """`fastai-resume verify URL`: a remote file, or each object of a remote folder, as `verify` does a local
+    one (OK, BAD and why, SKIP and why; a summary line for a folder). Each checkpoint is downloaded to a
+    temporary folder and checked against its upload's marker, then as a local file is (`problem`)."""
+    folder = is_folder(url)
+    base = url if url.endswith("/") else url + "/"
+    entries = scan(url) if folder else [(None, None)]
+    ok = bad = skipped = 0
+    for name, skip in entries:
+        shown = base + name if name is not None else url
+        if skip:
+            skipped += 1
+            print(f"SKIP {shown}: {skip}")
+            continue
+        try:
+            with local_copy(shown) as local:
+                why = problem(local)
+        except CheckpointError as e:
+            why = str(e).replace(_split(shown)[1] + ": ", "")
+        if why:
+            bad += 1
+            print(f"BAD  {shown}: {why}")
+        else:
+            ok += 1
+            print(f"OK   {shown}")
+    if folder:
+        print(f"{ok} ok, {bad} bad, {skipped} skipped")
+        if ok + bad == 0:
+            raise FileNotFoundError(None, f"{url}: no fastai_resume checkpoint in this remote folder")
+    return 1 if bad else 0

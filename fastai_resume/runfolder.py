@@ -1,0 +1,221 @@
+"""The files of one `AutoCheckpoint` run in one folder: their names, the newest valid one, the run's lock,
+retention, the temporary files of killed saves, and the room a full disk needs.
+
+Files are `{fname}-{run}-g{attempt}-s{stage}-f{fit}-e{epoch}-i{iter}.frk`, which sort by (attempt, stage,
+fit, epoch, iteration), the order retention and autoresume use; the stage ends `between` writes for the
+run are `{fname}-{run}-g{attempt}-s{stage}-end.frk`. Files of other runs, and any file not named so, are
+never touched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import warnings
+from pathlib import Path
+
+from . import checkpoint, dist, io, loaders, sharded
+from .io import CheckpointError
+
+__all__ = ["RunFolder", "run_identity"]
+
+_ENOSPC = os.strerror(errno.ENOSPC)  # the words a user may search a log for
+
+
+def run_identity(learn, first_signature: dict) -> str:
+    """A run's identity: a hash of the model's structure, the loaders' shape, the world size and the first
+    stage's call (another model, learning rate or data size is another run)."""
+    from fastai.torch_core import get_model
+
+    sd = get_model(learn.model).state_dict()
+    parts = [f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sd.items() if hasattr(v, "shape")]
+    first = first_signature
+    parts += [
+        f"world {dist.world()}",
+        f"train {len(dist.unwrap_dl(learn.dls.train))}x{loaders.batch_size(learn.dls.train)}",
+        f"first {first['method']} {sorted(first['args'].items())} {first['trainable']}",
+    ]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:10]
+
+
+class RunFolder:
+    "The files of the run `run_id` named `fname` in `folder`, `keep` of its checkpoints kept."
+
+    def __init__(self, folder: Path, fname: str, run_id: str, keep: int):
+        self.folder, self.fname, self.run_id, self.keep = folder, fname, run_id, keep
+        self.prefix = f"{fname}-{run_id}-"
+        self.pattern = re.compile(
+            re.escape(self.prefix) + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}" + re.escape(io.EXT) + "$"
+        )
+        self.ends = re.compile(re.escape(self.prefix) + r"g(\d{3})-s\d{3}-end" + re.escape(io.EXT) + "$")
+        self.attempt: int | None = None
+        self._lock: tuple | None = None  # (open file, path) while this process trains the run
+
+    def name(self, stage, fit_index, epoch, it) -> Path:
+        return self.folder / (
+            f"{self.prefix}g{self.attempt:03d}-s{stage:03d}-f{fit_index:02d}-e{epoch:06d}-i{it:010d}{io.EXT}"
+        )
+
+    def stem(self) -> str:
+        "What the stage ends of the current attempt are named after (`between`)."
+        return f"{self.prefix}g{self.attempt:03d}"
+
+    def checkpoints(self, folder: Path | None = None) -> list:
+        "The run's checkpoint files, oldest (attempt, stage, fit, epoch, iteration) first."
+        folder = self.folder if folder is None else folder
+        if not folder.is_dir():
+            return []
+        return sorted(p for p in folder.iterdir() if self.pattern.match(p.name))
+
+    def attempt_of(self, path: Path) -> int:
+        m = self.pattern.match(path.name)
+        assert m is not None, path
+        return int(m[1])
+
+    def latest_valid(self):
+        """The newest checkpoint of this run that verifies. Each newer one proven corrupt (bad magic,
+        structure or checksum) is named in a warning and renamed to `*.corrupt`, so that retention never
+        counts it; any other error (EMFILE, ENOMEM, EACCES ...) is raised: the file may be fine."""
+        for p in reversed(self.checkpoints()):
+            try:
+                sharded.verify(p)  # a file, or a sharded checkpoint's folder: the manifest and every shard
+                return p
+            except CheckpointError as e:
+                warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=3)
+                try:
+                    p.rename(p.with_name(p.name + ".corrupt"))
+                except OSError:
+                    pass
+            except FileNotFoundError:
+                continue
+        return None
+
+    # -- the lock -------------------------------------------------------------------------------
+    def take_lock(self) -> None:
+        "One process per run and folder: a second launch of the same script on the same folder is refused."
+        if self._lock is not None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f".{self.fname}-{self.run_id}.lock"
+        for _ in range(10):
+            f = open(path, "a+")
+            try:  # a POSIX record lock: the process's own (DataLoader workers forked from it do not hold it)
+                fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                f.close()
+                raise RuntimeError(
+                    f"AutoCheckpoint: {holder} is already training this run into {self.folder} (lock "
+                    f"{path.name}); two processes writing one run's checkpoints would delete each "
+                    "other's files. Stop the other one, or give this one another fname or path."
+                ) from None
+            try:  # the file a process ending just now unlinked is not the lock any more: take the new one
+                same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            f.close()
+        else:
+            raise RuntimeError(f"AutoCheckpoint: could not take the lock {path}: it keeps being replaced")
+        f.truncate(0)
+        f.write(f"process {os.getpid()}")
+        f.flush()
+        self._lock = (f, path)
+        atexit.register(self.release_lock)  # the script has ended: no lock file is left behind
+
+    def release_lock(self) -> None:
+        if self._lock is not None:
+            f, path = self._lock
+            self._lock = None
+            try:  # unlinked while still held: nobody can take the old file in between
+                os.unlink(path)
+            except OSError:
+                pass
+            f.close()
+
+    # -- removing files -------------------------------------------------------------------------
+    def remove_dead_temps(self) -> None:
+        "Temporary files of this run's saves whose process is gone (killed mid-save): never valid."
+        checkpoint.remove_dead_temps(self.folder, lambda name: bool(self.pattern.match(name)))
+        sharded.remove_unfinished(
+            self.folder, lambda name: bool(self.pattern.match(name))
+        )  # folders without a manifest
+
+    def remove_stale(self, folder: Path | None = None) -> list:
+        """Removes this run's checkpoints in `folder` (default: its own) but the newest `keep`, and the
+        stage ends no kept checkpoint can name; returns what could not be removed, as warnings to give.
+        A background save runs it in its writer thread after its commit, with the folder it wrote to:
+        unlinking a big file costs tens of milliseconds, which training need not wait for."""
+        folder = self.folder if folder is None else folder
+        try:
+            files = self.checkpoints(folder)
+            stale = files[: -self.keep]
+            kept = {f"{self.attempt_of(p):03d}" for p in files[-self.keep :]}
+            if self.attempt is not None:  # those of the current attempt stay while it runs
+                kept.add(f"{self.attempt:03d}")
+            stale += sorted(p for p in folder.iterdir() if (m := self.ends.match(p.name)) and m[1] not in kept)
+        except OSError as e:
+            return [f"AutoCheckpoint: could not list {folder} to remove old checkpoints: {e}"]
+        failed = []
+        for old in stale:
+            try:
+                sharded.remove(old)  # (a file, or a sharded checkpoint's folder)
+            except OSError as e:
+                failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
+        return failed
+
+    def free_space(self) -> list:
+        "After ENOSPC: remove this run's checkpoints but the newest valid one. Returns [(path, bytes)] removed."
+        newest = self.latest_valid() if dist.rank() == 0 else None
+        removed = []
+        for old in self.checkpoints():
+            if old == newest:
+                continue
+            try:
+                size = sharded.size(old)
+                sharded.remove(old)
+                removed.append((old, size))
+            except OSError:
+                pass
+        return removed
+
+    # -- a full disk, said ----------------------------------------------------------------------
+    def disk_full(self, path, e, removed, then) -> str:
+        "The notice of a full disk that removing `removed` made room on; the save is tried again `then`."
+        names = ", ".join(p.name for p, _ in removed)
+        return (
+            f"AutoCheckpoint: the disk is full ({_ENOSPC}): {path.name} needs {_room(e)} in {path.parent}; "
+            f"removed this run's older checkpoint{'s' if len(removed) > 1 else ''} {names} "
+            f"({sum(n for _, n in removed):,} bytes) to make room, and saves again {then}"
+        )
+
+    def disk_still_full(self, path, e, removed, fit_ended=False) -> str:
+        "The error of a full disk that removing this run's older checkpoints cannot help: what to do."
+        newest = self.checkpoints() if dist.rank() == 0 else []
+        kept = f"its newest checkpoint {newest[-1].name} stays" if newest else "it has no checkpoint there"
+        gone = f"; {', '.join(p.name for p, _ in removed)} removed already" if removed else ""
+        why = (
+            "the fit has ended, no batch is left to save it at"
+            if fit_ended
+            else f"this run has nothing left to remove there ({kept}{gone}; other files are never touched)"
+        )
+        resume = f"it resumes from {newest[-1].name}" if newest else "it starts from the beginning"
+        return (
+            f"AutoCheckpoint: the disk is full ({_ENOSPC}): {path.name} needs {_room(e)} in {path.parent}, and {why}. "
+            "Free space on that disk, or give the Learner a path (or model_dir) on a larger one, then run "
+            f"the script again: {resume}. The previous checkpoints are intact."
+        )
+
+
+def _room(e: OSError) -> str:
+    "The room a save that found the disk full needs, and what was free (`io.DiskFullError`)."
+    if not isinstance(e, io.DiskFullError):
+        return "more room than is free"
+    free = "" if e.free is None else f" ({e.free:,} free)"
+    return f"{e.needed:,} bytes{free}"

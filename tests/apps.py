@@ -1,0 +1,302 @@
+"""fastai's applications as their docs and the book build them, as training scripts the tests run in new
+processes, from the folder they are started in, with fastai's default relative paths:
+
+    python tests/apps.py APP --out OUT [--die S,E,K] [--resume manual|auto] [--every N] [--break-rng]
+
+APP:
+- `text`: the ULMFiT recipe of fastai's text tutorial and the book's chapter 10 on generated English text
+  with fastai's own (spaCy) tokenizer: `TextDataLoaders.from_df(is_lm=True)`, `language_model_learner`
+  (frozen as a pretrained one is): fit_one_cycle, save('1epoch'), load('1epoch'), unfreeze,
+  fit_one_cycle, save_encoder; then `TextDataLoaders.from_df` with the LM's vocab,
+  `text_classifier_learner`, load_encoder, fit_one_cycle, freeze_to(-2), fit_one_cycle, unfreeze,
+  fit_one_cycle. Stages are counted over the script: 0-1 the language model, 2-4 the classifier.
+- `vision`: `ImageDataLoaders.from_name_func` over PNG files, `vision_learner(resnet18)`, `fine_tune(2)`.
+- `unet`: `SegmentationDataLoaders.from_label_func`, `unet_learner(resnet18)`, `fine_tune(1)`.
+- `tabular`: `TabularDataLoaders.from_df` (Categorify, FillMissing, Normalize), `tabular_learner`,
+  `fit_one_cycle(3)`.
+- `collab`: `CollabDataLoaders.from_df`, `collab_learner(n_factors=8, y_range=(0, 5.5))`,
+  `fit_one_cycle(4, 5e-3, wd=0.1)`.
+
+Between stages the script prints what users print (the Recorder's last row, `validate()`), as the
+lines `VALUES ...`. `--resume manual`: a callback of the user's saves `crash` every N batches
+(`learn.save('crash', with_iter=True)`), and the script loads it at the top when it exists; `--resume
+auto`: `AutoCheckpoint(every_iters=N)` in each learner. `--die S,E,K`: in stage S, after K training
+batches of epoch E, once the checkpoint is saved, SIGKILL. OUT gets every learner's final model,
+optimizer and Recorder, the files the script wrote (by CRC32C) and its printed values.
+"""
+
+import argparse
+import os
+import random
+import signal
+import sys
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from results import learner_result  # noqa: E402
+
+import fastai_resume  # noqa: E402
+import fastai_resume.script  # noqa: E402
+from fastai_resume.between import file_crc  # noqa: E402
+
+STAGE = [0]  # the script's stage counter (over both learners of `text`)
+
+
+def corpus(n=240, seed=0):
+    "Short reviews made of a small English vocabulary, labelled by the words they use."
+    r = random.Random(seed)
+    pos = "good great fine lovely superb nice wonderful happy".split()
+    neg = "bad awful poor terrible sad boring ugly dull".split()
+    nouns = "movie film plot actor story scene music ending cast script".split()
+    verbs = "was seemed felt looked became remained".split()
+    fill = "the a this that really quite very so and but it i".split()
+    rows = []
+    for _ in range(n):
+        lab = r.random() < 0.5
+        words = []
+        for _ in range(r.randint(2, 5)):
+            words += [r.choice(fill).capitalize(), r.choice(nouns), r.choice(verbs), r.choice(fill)]
+            words += [r.choice(pos if lab else neg), "."]
+        rows.append((" ".join(words), "pos" if lab else "neg"))
+    return pd.DataFrame(rows, columns=["text", "label"])
+
+
+def digit_images(folder, n=240, seg=False):
+    "scikit-learn's digits as 24x24 PNG files (`3_017.png`), and for segmentation their ink masks."
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    if seg:
+        os.makedirs(os.path.join(folder, "masks"), exist_ok=True)
+    for i in range(n):
+        img = (X[i].reshape(8, 8) * 16).clip(0, 255).astype(np.uint8)
+        big = np.kron(img, np.ones((3, 3), dtype=np.uint8))
+        Image.fromarray(np.stack([big] * 3, -1)).save(os.path.join(folder, "images", f"{y[i]}_{i:03d}.png"))
+        if seg:
+            Image.fromarray((big > 64).astype(np.uint8)).save(os.path.join(folder, "masks", f"{y[i]}_{i:03d}.png"))
+
+
+class Stages:
+    "Counts the script's stages (both learners of `text`) and dies where told."
+
+    def __init__(self, a):
+        self.a = a
+        self.die = tuple(map(int, a.die.split(","))) if a.die else None
+
+    def cbs(self, learn, name="crash"):
+        "The user's checkpoint callbacks of a learner whose resumable checkpoints are named `name`."
+        from fastai.callback.core import Callback
+
+        a, die = self.a, self.die
+
+        class UserSaver(Callback):
+            "What a user writes to save a resumable checkpoint every N batches."
+
+            order = 90
+
+            def after_batch(self):
+                if self.training and a.resume == "manual" and self.learn.train_iter % a.every == 0:
+                    self.learn.save(name, with_iter=True)
+
+        class Die(Callback):
+            order = 120
+
+            def after_batch(self):
+                sc = fastai_resume.script.script(self.learn)
+                if die is None or not self.training or sc.stage is None:
+                    return
+                if (STAGE[0] + sc.stage.index, self.epoch, self.iter + 1) != die:
+                    return
+                if a.resume == "manual":
+                    self.learn.save(name, with_iter=True)
+                else:
+                    auto = next(c for c in self.learn.cbs if isinstance(c, fastai_resume.AutoCheckpoint))
+                    auto._save(background=False)
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        out = [] if a.resume == "none" else [UserSaver(), Die()]
+        if a.resume == "auto":
+            out.append(fastai_resume.AutoCheckpoint(every_iters=a.every, keep=2))
+        return out
+
+    def start(self, learn, name):
+        "The top of a learner's part of the script: `learn.load(name)` when resuming by hand."
+        if self.a.resume == "manual" and os.path.exists(os.path.join("models", name + ".frk")):
+            learn.load(name)
+            if self.a.break_rng:  # negative control: resume without the saved RNG state
+                tr = fastai_resume.script.script(learn).armed.train
+                tr["rng"] = tr["rng_epoch"] = fastai_resume.state.rng_state()
+        return learn
+
+    def done(self, learn):
+        STAGE[0] += len(fastai_resume.script.script(learn).signatures)
+
+
+def values(tag, v):
+    print(f"\nVALUES {tag} {[round(float(x), 6) for x in v]}", flush=True)
+
+
+def text(a, st, out):
+    from fastai.text.all import (
+        AWD_LSTM,
+        Perplexity,
+        TextDataLoaders,
+        accuracy,
+        awd_lstm_clas_config,
+        awd_lstm_lm_config,
+        language_model_learner,
+        text_classifier_learner,
+    )
+
+    df = corpus()
+    dls_lm = TextDataLoaders.from_df(df, text_col="text", is_lm=True, valid_pct=0.1, seq_len=16, bs=16, seed=0)
+    cfg = dict(awd_lstm_lm_config, emb_sz=32, n_hid=64, n_layers=2)
+    learn = language_model_learner(
+        dls_lm, AWD_LSTM, config=cfg, pretrained=False, drop_mult=0.3, metrics=[accuracy, Perplexity()]
+    )
+    learn.add_cbs(st.cbs(learn, "lm-crash"))
+    learn = st.start(learn, "lm-crash")
+    learn.freeze()  # as language_model_learner leaves a pretrained model
+    learn.fit_one_cycle(1, 2e-2)
+    values("lm-0", learn.recorder.values[-1])
+    learn.save("1epoch")
+    learn = learn.load("1epoch")
+    learn.unfreeze()
+    learn.fit_one_cycle(2, 2e-3)
+    values("lm-1", learn.recorder.values[-1])
+    values("lm-valid", learn.validate())
+    learn.save_encoder("finetuned")
+    out["lm"] = learner_result(learn)
+    st.done(learn)
+
+    dls = TextDataLoaders.from_df(
+        df, text_col="text", label_col="label", valid_pct=0.1, text_vocab=dls_lm.vocab, bs=16, seed=0
+    )
+    ccfg = dict(awd_lstm_clas_config, emb_sz=32, n_hid=64, n_layers=2)
+    learn = text_classifier_learner(dls, AWD_LSTM, config=ccfg, pretrained=False, drop_mult=0.5, metrics=accuracy)
+    learn.add_cbs(st.cbs(learn, "clas-crash"))
+    learn = st.start(learn, "clas-crash")
+    learn = learn.load_encoder("finetuned")
+    learn.fit_one_cycle(1, 2e-2)
+    values("clas-0", learn.recorder.values[-1])
+    learn.freeze_to(-2)
+    learn.fit_one_cycle(1, slice(1e-2 / (2.6**4), 1e-2))
+    values("clas-1", learn.recorder.values[-1])
+    learn.unfreeze()
+    learn.fit_one_cycle(2, slice(1e-3 / (2.6**4), 1e-3))
+    values("clas-2", learn.recorder.values[-1])
+    out["clas"] = learner_result(learn)
+    st.done(learn)
+
+
+def vision(a, st, out, seg=False):
+    from fastai.vision.all import (
+        ImageDataLoaders,
+        Resize,
+        SegmentationDataLoaders,
+        error_rate,
+        get_image_files,
+        resnet18,
+        unet_learner,
+        vision_learner,
+    )
+
+    if not os.path.isdir("images"):
+        digit_images(".", seg=seg)
+    files = get_image_files("images")
+    if seg:
+        dls = SegmentationDataLoaders.from_label_func(
+            ".", files, lambda f: os.path.join("masks", f.name), codes=["ink", "paper"], bs=16, seed=0, num_workers=0
+        )
+        learn = unet_learner(dls, resnet18, pretrained=False)
+    else:
+        dls = ImageDataLoaders.from_name_func(
+            ".", files, lambda name: name[0], item_tfms=Resize(24), bs=16, seed=0, num_workers=2
+        )
+        learn = vision_learner(dls, resnet18, pretrained=False, metrics=error_rate)
+    learn.add_cbs(st.cbs(learn))
+    learn = st.start(learn, "crash")
+    learn.fine_tune(1 if seg else 2)
+    values("valid", learn.validate())
+    out["model"] = learner_result(learn)
+
+
+def tabular(a, st, out):
+    from fastai.tabular.all import Categorify, FillMissing, Normalize, TabularDataLoaders, accuracy, tabular_learner
+    from sklearn.datasets import load_breast_cancer
+
+    data = load_breast_cancer(as_frame=True)
+    df = data.frame.copy()
+    df["size"] = pd.cut(df["mean radius"], 4, labels=["s", "m", "l", "xl"]).astype(str)
+    df.loc[::17, "mean texture"] = np.nan  # FillMissing has work to do
+    df["target"] = df["target"].map({0: "malignant", 1: "benign"})
+    cont = [c for c in data.feature_names[:12]]
+    dls = TabularDataLoaders.from_df(
+        df,
+        procs=[Categorify, FillMissing, Normalize],
+        cat_names=["size"],
+        cont_names=cont,
+        y_names="target",
+        valid_idx=list(range(0, len(df), 5)),
+        bs=32,
+    )
+    learn = tabular_learner(dls, layers=[32, 16], metrics=accuracy)
+    learn.add_cbs(st.cbs(learn))
+    learn = st.start(learn, "crash")
+    learn.fit_one_cycle(3)
+    values("valid", learn.validate())
+    out["model"] = learner_result(learn)
+
+
+def collab(a, st, out):
+    from fastai.collab import CollabDataLoaders, collab_learner
+
+    g = np.random.default_rng(0)
+    users, items = g.normal(size=(60, 3)), g.normal(size=(40, 3))
+    u, i = g.integers(0, 60, 1500), g.integers(0, 40, 1500)
+    r = np.clip(2.75 + (users[u] * items[i]).sum(1) + 0.3 * g.normal(size=1500), 0.5, 5)
+    df = pd.DataFrame({"user": u, "item": i, "rating": r.round(1)}).drop_duplicates(["user", "item"])
+    dls = CollabDataLoaders.from_df(df, bs=64, seed=0)
+    learn = collab_learner(dls, n_factors=8, y_range=(0, 5.5))
+    learn.add_cbs(st.cbs(learn))
+    learn = st.start(learn, "crash")
+    learn.fit_one_cycle(4, 5e-3, wd=0.1)
+    values("valid", learn.validate())
+    out["model"] = learner_result(learn)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("app", choices=["text", "vision", "unet", "tabular", "collab"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--die", default=None)
+    ap.add_argument("--resume", default="manual", choices=["none", "manual", "auto"])
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--break-rng", action="store_true")
+    a = ap.parse_args(argv)
+    from fastai.torch_core import set_seed
+
+    set_seed(42)
+    st, out = Stages(a), {}
+    if a.app == "unet":
+        vision(a, st, out, seg=True)
+    else:
+        {"text": text, "vision": vision, "tabular": tabular, "collab": collab}[a.app](a, st, out)
+    files = {}
+    for d in ("models", "."):
+        for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            p = os.path.join(d, f)
+            if os.path.isfile(p) and f.endswith((".pth", ".pkl")):
+                files[p] = file_crc(p)
+    out["files"] = files
+    fastai_resume.save(out, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The supported matrix (docs/install.md) is what `make matrix` ran (.ci/matrix.json, written by .ci/matrix.py):
+every Python pyproject.toml claims, with the newest stack CI pins and the oldest the package claims,
+all passed; the table matches the file, and a cell edited by hand is caught. Pure JSON -> Markdown."""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+from packaging.version import Version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, ".ci"))
+import matrix  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def res():
+    with open(matrix.RESULTS) as f:
+        return json.load(f)
+
+
+def readme():
+    with open(os.path.join(ROOT, "docs", "install.md")) as f:
+        return f.read()
+
+
+def test_the_readmes_table_is_the_matrix_files(res):
+    assert matrix.problems(readme(), res) == []
+
+
+def test_every_claimed_python_ran_with_the_newest_and_the_oldest_stack_and_passed(res):
+    ran = [(r["python"].rsplit(".", 1)[0], r["stack"]) for r in res["rows"]]
+    assert ran == [(py, stack) for py in matrix.pythons() for stack in matrix.STACKS]
+    assert matrix.pythons() == ["3.11", "3.12", "3.13"]
+    for r in res["rows"]:
+        assert r["failed"] == 0 and r["pytest_rc"] == 0 and r["passed"] > 0, r["name"]
+        assert r["installed"]["core"].startswith("fastai_resume/_core.cpython-"), r["name"]  # the wheel's own
+
+
+def test_the_newest_rows_ran_what_constraints_dev_pins(res):
+    pinned = dict(p.split("==") for p in matrix.pins("newest"))
+    for r in res["rows"]:
+        if r["stack"] == "newest":
+            assert {n: r[n] for n in ("torch", "torchvision", "fastai")} == pinned, r["name"]
+
+
+def test_the_oldest_rows_ran_every_lower_bound_pyproject_claims(res):
+    low = matrix.lower_bounds()
+    assert set(low) == {"fastai", "fastcore", "torch"}
+    for r in res["rows"]:
+        if r["stack"] == "oldest":
+            assert {n: Version(r[n]) for n in low} == {n: Version(v) for n, v in low.items()}, r["name"]
+            assert r["torchvision"] == matrix.TORCHVISION[low["torch"]]
+
+
+def test_requires_python_is_the_oldest_python_the_matrix_runs():
+    assert matrix.pyproject()["requires-python"] == f">={matrix.pythons()[0]}"
+
+
+def test_ci_runs_the_matrix():
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        target = f.read().split("\nmatrix:", 1)[1].split("\n\n", 1)[0]
+    assert ".ci/matrix.py" in target
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert re.search(r"^make matrix$", f.read(), re.M)
+
+
+def test_the_tests_the_matrix_runs_exist():
+    for t in matrix.TESTS:
+        path, _, name = t.partition("::")
+        with open(os.path.join(ROOT, path)) as f:
+            assert not name or f"def {name.split('[')[0]}(" in f.read(), t
+
+
+def test_a_cell_changed_by_hand_in_the_readme_is_reported(res):
+    text = readme()
+    m = re.search(r"<!-- matrix -->\n.*?\| (2\.8\.9) \|", text, re.S)
+    edited = text[: m.start(1)] + "2.8.8" + text[m.end(1) :]
+    assert matrix.problems(edited, res) == [
+        "docs/install.md's matrix differs from .ci/matrix.json (run python3 .ci/matrix.py --rewrite)"
+    ]
+
+
+def test_rewriting_puts_the_table_between_the_markers(res):
+    empty = re.sub(r"(<!-- matrix -->\n).*?(<!-- /matrix -->)", r"\1\2", readme(), flags=re.S)
+    assert matrix.problems(empty, res) != []
+    assert matrix.rewrite(empty, res) == readme()
