@@ -493,11 +493,16 @@ int frk_load_file(const char *path, unsigned flags, uint8_t **base, size_t *len,
     if (rc || !(flags & FRK_LOAD_VERIFY))
         return rc;
     /* The structure, then the blobs, the pass asking for the file's pages a few chunks ahead of
-     * the ones it checks (blob_pass.ahead). */
-    if (!(rc = frk_reader_open(*base, *len, 0, &r, err)))
-        rc = blob_pass_run(
-            frk_reader_blob(r, 0), frk_reader_blob_count(r), *base, NULL, NULL, FRK_PREAMBLE_SIZE,
-            frk_get64(*base + *len - FRK_FOOTER_SIZE + FRK_FOOT_INDEX_OFFSET), 1, 1, err);
+     * the ones it checks (blob_pass.ahead). The pass ends where the validated blob table says
+     * the last blob ends, not where the footer's bytes say the index starts: read again, they
+     * are the file's page, which another process's write may have changed since the check. */
+    if (!(rc = frk_reader_open(*base, *len, 0, &r, err))) {
+        size_t nb = frk_reader_blob_count(r);
+        const frk_blob *last = nb ? frk_reader_blob(r, nb - 1) : NULL;
+        uint64_t end = last ? last->offset + last->length : FRK_PREAMBLE_SIZE;
+        rc = blob_pass_run(frk_reader_blob(r, 0), nb, *base, NULL, NULL, FRK_PREAMBLE_SIZE, end, 1,
+                           1, err);
+    }
     frk_reader_free(r);
     if (rc) {
         frk_unmap(*base, *len);
