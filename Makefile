@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 CFLAGS_SAN := -std=c11 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
-CORE := csrc/validate.c csrc/builder.c csrc/commit.c csrc/reader.c csrc/crc32c.c csrc/skip.c
+CORE := csrc/validate.c csrc/builder.c csrc/commit.c csrc/reader.c csrc/load.c csrc/crc32c.c csrc/skip.c
 CORE_H := csrc/frk.h csrc/layout.h csrc/internal.h
 FUZZ_SECONDS ?= 60
 

@@ -12,6 +12,7 @@ setup(
                 "csrc/builder.c",
                 "csrc/commit.c",
                 "csrc/reader.c",
+                "csrc/load.c",
                 "csrc/crc32c.c",
                 "csrc/skip.c",
             ],

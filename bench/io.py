@@ -1,18 +1,28 @@
-"""Checkpoint I/O benchmark: this format against torch.save/torch.load(mmap), safetensors and a raw
-write/read of the same bytes, in one run, on the disk and on tmpfs, with fsync for every contender,
-in interleaved rounds (medians with min-max; the ratio to the raw write and read is paired by round).
+"""Checkpoint I/O benchmark: this format against torch.save/torch.load(mmap), safetensors and the
+physical limits of the same bytes, in one run, on the disk and on tmpfs, with fsync for every
+contender, in interleaved rounds (medians with min-max; every ratio is paired by round).
 
 State: torchvision's ViT-L/16 (about 1.1 GiB of float32 parameters, randomly initialised: nothing
-is downloaded) plus Adam's two moment buffers. Save = serialise + write + fsync. Load = open and
-read every tensor once, after the file's pages were dropped from the page cache (fadvise), so
-every contender reads from the disk, and after as much memory as the file was touched and freed
-(`warm_memory`: a virtual machine's host faults otherwise decide the result). The raw read is
-read() into anonymous memory, the kind `fastai_resume.load` reads into. Prints a table, writes JSON (bench/results/io.json).
+is downloaded) plus Adam's two moment buffers. Save = serialise + write + fsync. Load = open, then
+read every tensor (`touch_all`: a sum over every byte of each), as training's first step would: a
+lazy (mmap-based) load pays for its pages there. Every load figure is "load + read every tensor".
+On a disk each load is timed twice: with a cold page cache (the file's pages dropped, their absence
+checked with mincore), then warm (the file in the page cache); tmpfs has no cold case (its page
+cache is the storage). Before every timed load as much memory as the file is touched and freed
+(`warm_memory`: a virtual machine's host faults otherwise decide the result).
+
+Contenders: `fastai_resume.load` (verified: every blob's CRC32C checked, tensors in memory of the
+process's own), `fastai_resume.load(mmap=True)` (verified, zero copy), torch.load(mmap=True),
+safetensors' load_file, and two physical limits of a load that copies the file into memory of its
+own, both into a buffer whose pages were touched before the timer started: read() into it, and a
+copy from the page cache (the file mapped, then torch's copy_, on its threads). Prints a table,
+writes JSON (bench/results/io.json).
 
     python bench/io.py [--dir DIR ...] [--rounds 5] [--small]
 """
 
 import argparse
+import ctypes
 import gc
 import mmap
 import os
@@ -93,13 +103,42 @@ def fsync_path(p):
         os.close(fd)
 
 
-def drop_cache(p):
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def resident(p) -> float:
+    "The fraction of the file's pages that are in the page cache (mincore)."
+    n = os.path.getsize(p)
+    if not n:
+        return 0.0
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open(p, "rb") as f:
+        m = mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ)
+    a = np.frombuffer(m, dtype=np.uint8)
+    vec = (ctypes.c_ubyte * ((n + page - 1) // page))()
+    rc = _libc.mincore(ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(n), vec)
+    del a
+    m.close()
+    if rc:
+        raise OSError(ctypes.get_errno(), f"mincore {p}")
+    return float(np.frombuffer(vec, dtype=np.uint8).__and__(1).mean())
+
+
+def drop_cache(p) -> float:
+    """Drop the file's pages from the page cache (fadvise; where pages stay, the whole page cache,
+    if this process may); returns the fraction of them left resident."""
     fd = os.open(p, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    left = resident(p)
+    if left > 0.01 and os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        left = resident(p)
+    return left
 
 
 def warm_memory(nbytes):
@@ -113,14 +152,14 @@ def warm_memory(nbytes):
 
 
 def touch_all(tree):
-    "Read every tensor once (a sum over its bytes), as training would."
+    "Read every byte of every tensor once (a sum over it as uint8, on torch's threads); returns the bytes."
     n = 0
     stack = [tree]
     while stack:
         v = stack.pop()
         if isinstance(v, torch.Tensor):
             if v.numel():
-                v.view(-1)[:: max(1, 4096 // v.element_size())].sum()  # one read per page
+                v.detach().contiguous().view(-1).view(torch.uint8).sum(dtype=torch.int64)  # every byte read
             n += v.numel() * v.element_size()
         elif isinstance(v, dict):
             stack.extend(v.values())
@@ -131,10 +170,6 @@ def touch_all(tree):
 
 def save_ours(tree, p):
     fr.save(tree, p)
-
-
-def load_ours(p):
-    return fr.load(p)
 
 
 def save_torch(tree, p):
@@ -171,11 +206,17 @@ def save_raw(tree, p):
         os.close(fd)
 
 
-def load_raw(p):
-    """The file's bytes into memory of the process's own, of the kind `fastai_resume.load` reads into
-    (anonymous pages from mmap): read() until every byte is in (one read() returns at most 2 GiB)."""
+def touched(p):
+    "A buffer of the file's size in anonymous memory, every page touched: what the limits read into."
     n = os.path.getsize(p)
     buf = torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    buf.fill_(1)
+    return buf
+
+
+def read_into(p, buf):
+    "The file's bytes read() into `buf`, until every byte is in (one read() returns at most 2 GiB)."
+    n = buf.numel()
     mv, done = memoryview(buf.numpy()), 0
     with open(p, "rb", buffering=0) as f:
         while done < n:
@@ -186,22 +227,48 @@ def load_raw(p):
     return buf
 
 
-CONTENDERS = [
-    ("fastai_resume", save_ours, load_ours),
-    ("torch.save/load(mmap)", save_torch, load_torch),
-    ("safetensors", save_st, load_st),
-    ("raw write/read", save_raw, load_raw),
+def copy_from_page_cache(p, buf):
+    "The file mapped, then copied into `buf` by torch's copy_ (on its threads)."
+    if buf.numel():
+        with open(p, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        buf.copy_(torch.frombuffer(m, dtype=torch.uint8))
+    return buf
+
+
+OURS, OURS_MMAP, RAW = "fastai_resume", "fastai_resume mmap=True", "raw write"
+LIMIT_READ, LIMIT_COPY = "limit: read() into touched memory", "limit: copy from the page cache"
+RIVALS = ("safetensors", "torch.save/load(mmap)", LIMIT_READ, LIMIT_COPY)
+# (name, save, [(load name, prepare or None, load)]): each load is timed on the file its save wrote;
+# prepare(path) runs before the timer, and its result is load's second argument.
+FORMATS = [
+    (
+        OURS,
+        save_ours,
+        [(OURS, None, lambda p, _: fr.load(p)), (OURS_MMAP, None, lambda p, _: fr.load(p, mmap=True))],
+    ),
+    ("torch.save/load(mmap)", save_torch, [("torch.save/load(mmap)", None, lambda p, _: load_torch(p))]),
+    ("safetensors", save_st, [("safetensors", None, lambda p, _: load_st(p))]),
+    (RAW, save_raw, [(LIMIT_READ, touched, read_into), (LIMIT_COPY, touched, copy_from_page_cache)]),
 ]
 
 
-def run_dir(tree, nbytes, d, rounds):
-    "Every contender's save and load in `d`, in interleaved rounds: seconds and peak memory per round."
+def can_be_cold(d) -> bool:
+    "Whether files in `d` can leave the page cache (not on tmpfs or ramfs, whose page cache is the storage)."
+    return common.machine(d)["disk"]["fs"] not in ("tmpfs", "ramfs")
+
+
+def run_dir(tree, d, rounds):
+    """Every format's save and loads in `d`, in interleaved rounds: seconds and peak memory per
+    round, and the fraction of the file that each cold load found in the page cache."""
     os.makedirs(d, exist_ok=True)
-    res = {name: {"save": [], "load": [], "peak_extra": []} for name, _, _ in CONTENDERS}
+    caches = ("cold", "warm") if can_be_cold(d) else ("warm",)
+    res: dict = {}
+    left = []
     p = os.path.join(d, "ckpt")
     try:
         for r in range(rounds):
-            for name, save, load in CONTENDERS:
+            for name, save, loads in FORMATS:
                 if os.path.exists(p):
                     os.remove(p)
                 gc.collect()
@@ -209,26 +276,34 @@ def run_dir(tree, nbytes, d, rounds):
                     t0 = time.perf_counter()
                     save(tree, p)
                     ts = time.perf_counter() - t0
-                drop_cache(p)
-                gc.collect()
-                warm_memory(os.path.getsize(p))
-                t0 = time.perf_counter()
-                loaded = load(p)
-                touch_all(loaded)
-                tl = time.perf_counter() - t0
-                del loaded
-                res[name]["save"].append(ts)
-                res[name]["load"].append(tl)
-                res[name]["peak_extra"].append(pk.extra)
+                res.setdefault(name, {}).setdefault("save", []).append(ts)
+                res[name].setdefault("peak_extra", []).append(pk.extra)
+                line = f"save {ts:5.2f}s"
+                for lname, prepare, load in loads:
+                    for cache in caches:
+                        if cache == "cold":
+                            left.append(drop_cache(p))
+                        gc.collect()
+                        warm_memory(os.path.getsize(p))
+                        pre = prepare(p) if prepare else None
+                        t0 = time.perf_counter()
+                        loaded = load(p, pre)
+                        touch_all(loaded)
+                        tl = time.perf_counter() - t0
+                        del loaded, pre
+                        res.setdefault(lname, {}).setdefault(f"load_{cache}", []).append(tl)
+                        line += f" | {lname} {cache} {tl:5.2f}s"
                 os.remove(p)
-                print(
-                    f"  {d} round {r}: {name:24s} save {ts:7.2f}s  load {tl:7.2f}s  peak +{pk.extra / 2**20:7.0f} MiB",
-                    flush=True,
-                )
+                print(f"  {d} round {r}: {name}: {line}", flush=True)
     finally:
         if os.path.exists(p):
             os.remove(p)
-    return res
+    return res, caches, left
+
+
+def paired(a, b):
+    "The ratios a/b of two measurements' rounds, paired by round."
+    return common.stats([x / y for x, y in zip(a, b)])
 
 
 def main():
@@ -249,11 +324,23 @@ def main():
     print(f"state: {nbytes / 2**30:.2f} GiB ({'ViT-B/16' if a.small else 'ViT-L/16'} + Adam)")
     places = []
     for d in dirs:
-        res = run_dir(tree, nbytes, d, a.rounds)
+        res, caches, left = run_dir(tree, d, a.rounds)
         rows = {name: {k: common.stats(v) for k, v in m.items()} for name, m in res.items()}
-        ours, raw = res["fastai_resume"], res["raw write/read"]
-        ratio = {k: common.stats([x / y for x, y in zip(ours[k], raw[k])]) for k in ("save", "load")}  # paired by round
-        places.append({"dir": d, "disk": common.machine(d)["disk"], "contenders": rows, "ours_over_raw": ratio})
+        ratios = {
+            "save_over_raw_write": paired(res[OURS]["save"], res[RAW]["save"]),
+            "load": {
+                cache: {
+                    ours: {rival: paired(res[ours][f"load_{cache}"], res[rival][f"load_{cache}"]) for rival in RIVALS}
+                    for ours in (OURS, OURS_MMAP)
+                }
+                for cache in caches
+            },
+        }
+        place = {"dir": d, "disk": common.machine(d)["disk"], "caches": list(caches), "contenders": rows}
+        place["ratios"] = ratios
+        if left:
+            place["resident_when_cold"] = common.stats(left)
+        places.append(place)
         if d.startswith("/dev/shm/"):
             shutil.rmtree(d, ignore_errors=True)
     payload = {

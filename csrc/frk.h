@@ -187,12 +187,20 @@ int frk_builder_size(const frk_builder *b, uint64_t *size, frk_error *err);
 
 typedef struct frk_reader frk_reader;
 
-/* Maps path privately (copy-on-write, writable).  Free with frk_unmap.  The
- * mapping still reads the file: truncating that inode later faults (SIGBUS). */
+/* Maps path privately (copy-on-write, writable); nothing is read until it is
+ * touched.  Free with frk_unmap.  The mapping still reads the file: truncating
+ * that inode later faults (SIGBUS). */
 int frk_map_file(const char *path, uint8_t **base, size_t *len, frk_error *err);
-/* Reads path whole into fresh anonymous memory of the process's own: nothing
- * done to the file afterwards can reach it.  Free with frk_unmap. */
-int frk_read_file(const char *path, uint8_t **base, size_t *len, frk_error *err);
+/* How frk_load_file brings a file into memory. */
+#define FRK_LOAD_COPY 1u   /* read whole into fresh memory of the process's own (else: mapped) */
+#define FRK_LOAD_VERIFY 2u /* check the structure and every blob's CRC32C on the way in */
+/* frk_map_file, or with FRK_LOAD_COPY a read of the whole file into fresh anonymous memory of
+ * the process's own: nothing done to the file afterwards can reach it (the preamble, index and
+ * footer are read first, then the blobs in chunks split over the CPUs, straight from the disk
+ * where they are not in the page cache).  With FRK_LOAD_VERIFY the image is checked as
+ * frk_reader_open(verify = 1) checks it, each chunk while it is in the CPU's cache, and a message
+ * says which file is damaged.  Free with frk_unmap. */
+int frk_load_file(const char *path, unsigned flags, uint8_t **base, size_t *len, frk_error *err);
 void frk_unmap(uint8_t *base, size_t len);
 
 /* True if the first bytes are this format's magic. */

@@ -1,4 +1,4 @@
-/* What the format's source files (validate.c, builder.c, commit.c, reader.c) share, and
+/* What the format's source files (validate.c, builder.c, commit.c, reader.c, load.c) share, and
  * nothing outside them sees. */
 #ifndef FRK_INTERNAL_H
 #define FRK_INTERNAL_H
@@ -34,6 +34,11 @@ int frk_parse_tree(frk_tree_parser *tp);
 int frk_check_tensor(unsigned kind, unsigned dtype, unsigned ndim, uint64_t blob, uint64_t n_blobs,
                      uint64_t blob_len, uint64_t storage_offset, const int64_t *sizes,
                      const int64_t *strides, uint64_t idx, frk_error *err);
+
+/* Checks the CRC32C of every blob of an image whose blob table has been validated (sorted, not
+ * overlapping, inside [start, end)), split over the CPUs when there are many bytes (load.c). */
+int frk_check_blobs(const frk_blob *blobs, size_t n_blobs, const uint8_t *data, uint64_t start,
+                    uint64_t end, frk_error *err);
 
 /* A growable byte buffer. */
 typedef struct {

@@ -1,10 +1,10 @@
 /* fastai_resume._core: the thin CPython binding over the frk core.
  *
- * Writer  encodes a value tree (driven from Python) and commits it, with the
- *         GIL released, in this thread or in a background thread of its own.
+ * Writer  encodes a value tree (driven from Python) and commits it with the
+ *         GIL released (background saves call commit from a Python thread).
  * Mapping a checkpoint's bytes, exported through the buffer protocol: read
  *         into memory of the process's own, or mapped privately (copy on
- *         write); it cannot be closed while a view (a loaded tensor) is alive.
+ *         write); freed when the last view of it (a loaded tensor) is gone.
  * Reader  the validated index of a Mapping; builds the Python value tree.
  * SkipToIter  the resume state machine of csrc/skip.c.
  *
@@ -15,9 +15,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-
-#include <pthread.h>
-#include <stdatomic.h>
 
 #include "frk.h"
 
@@ -69,7 +66,6 @@ static PyObject *raise_frk(core_state *st, const frk_error *err)
 typedef enum {
     WRITER_OPEN,       /* values may be added */
     WRITER_COMMITTING, /* commit() runs without the GIL */
-    WRITER_IN_FLIGHT,  /* commit_async()'s thread runs */
     WRITER_DONE,
 } writer_phase;
 
@@ -79,10 +75,6 @@ typedef struct {
     Py_buffer *views;
     Py_ssize_t n_views, cap_views;
     writer_phase phase;
-    /* Held by the thread that joins the background commit: two threads may wait() at once. */
-    PyThread_type_lock join_lock;
-    pthread_t thread;
-    atomic_int thread_done;
     char *path;
     unsigned flags;
     uint64_t written;
@@ -115,28 +107,11 @@ static PyObject *Writer_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (!w)
         return NULL;
     w->b = frk_builder_new();
-    w->join_lock = PyThread_allocate_lock();
-    if (!w->b || !w->join_lock) {
+    if (!w->b) {
         Py_DECREF(w);
         return PyErr_NoMemory();
     }
     return (PyObject *)w;
-}
-
-static void writer_join(WriterObject *w)
-{
-    if (!PyThread_acquire_lock(w->join_lock, NOWAIT_LOCK)) {
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(w->join_lock, WAIT_LOCK);
-        Py_END_ALLOW_THREADS
-    }
-    if (w->phase == WRITER_IN_FLIGHT) {
-        Py_BEGIN_ALLOW_THREADS
-        pthread_join(w->thread, NULL);
-        Py_END_ALLOW_THREADS
-        w->phase = WRITER_DONE;
-    }
-    PyThread_release_lock(w->join_lock);
 }
 
 static void writer_release_views(WriterObject *w)
@@ -151,10 +126,6 @@ static void writer_release_views(WriterObject *w)
 static void Writer_dealloc(WriterObject *w)
 {
     PyTypeObject *tp = Py_TYPE(w);
-    if (w->join_lock) {
-        writer_join(w);
-        PyThread_free_lock(w->join_lock);
-    }
     writer_release_views(w);
     frk_builder_free(w->b);
     PyMem_Free(w->path);
@@ -402,45 +373,6 @@ static PyObject *Writer_commit(WriterObject *w, PyObject *args, PyObject *kw)
     return writer_result(w);
 }
 
-static void *commit_thread(void *arg)
-{
-    WriterObject *w = arg;
-    w->rc = frk_builder_commit(w->b, w->path, w->flags, &w->written, &w->err);
-    atomic_store(&w->thread_done, 1);
-    return NULL;
-}
-
-static PyObject *Writer_commit_async(WriterObject *w, PyObject *args, PyObject *kw)
-{
-    if (writer_prepare(w, args, kw))
-        return NULL;
-    int e = pthread_create(&w->thread, NULL, commit_thread, w);
-    if (e) {
-        PyMem_Free(w->path);
-        w->path = NULL;
-        errno = e;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    w->phase = WRITER_IN_FLIGHT;
-    Py_RETURN_NONE;
-}
-
-static PyObject *Writer_wait(WriterObject *w, PyObject *Py_UNUSED(a))
-{
-    if (w->phase != WRITER_IN_FLIGHT &&
-        w->phase != WRITER_DONE) { /* DONE: a waiter after the join */
-        PyErr_SetString(PyExc_RuntimeError, "no background commit is in flight");
-        return NULL;
-    }
-    writer_join(w);
-    return writer_result(w);
-}
-
-static PyObject *Writer_get_done(WriterObject *w, void *Py_UNUSED(c))
-{
-    return PyBool_FromLong(w->phase == WRITER_DONE || atomic_load(&w->thread_done));
-}
-
 static PyObject *Writer_get_size(WriterObject *w, void *Py_UNUSED(c))
 {
     if (!writer_open(w)) /* a commit may be reading the builder in another thread */
@@ -482,18 +414,11 @@ static PyMethodDef Writer_methods[] = {
      "commit($self, /, path, fsync=True, direct=True)\n--\n\n"
      "Write the checkpoint atomically, with the GIL released; returns the bytes written.\n"
      "With fsync, direct writes around the page cache (O_DIRECT) where the file system allows."},
-    {"commit_async", (PyCFunction)(void (*)(void))Writer_commit_async, METH_VARARGS | METH_KEYWORDS,
-     "commit_async($self, /, path, fsync=True, direct=True)\n--\n\nCommit in a C thread; see "
-     "wait()."},
-    {"wait", (PyCFunction)Writer_wait, METH_NOARGS,
-     "wait($self, /)\n--\n\n"
-     "Join a background commit; returns the bytes written or raises its error."},
     {NULL},
 };
 #undef PUT_DOC
 
 static PyGetSetDef Writer_getset[] = {
-    {"done", (getter)Writer_get_done, NULL, "True once the commit has finished", NULL},
     {"size", (getter)Writer_get_size, NULL,
      "The bytes a commit of what this Writer holds will write (before the commit)", NULL},
     {NULL},
@@ -517,16 +442,15 @@ typedef struct {
     PyObject_HEAD
     uint8_t *base;
     size_t len;
-    Py_ssize_t exports;
 } MappingObject;
 
 static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"path", "copy", NULL};
+    static char *kwlist[] = {"path", "copy", "verify", NULL};
     PyObject *path_o;
-    int copy = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$p:Mapping", kwlist, PyUnicode_FSConverter,
-                                     &path_o, &copy))
+    int copy = 0, verify = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$pp:Mapping", kwlist, PyUnicode_FSConverter,
+                                     &path_o, &copy, &verify))
         return NULL;
     MappingObject *m = (MappingObject *)type->tp_alloc(type, 0);
     if (!m) {
@@ -536,7 +460,9 @@ static PyObject *Mapping_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     frk_error err;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = (copy ? frk_read_file : frk_map_file)(PyBytes_AS_STRING(path_o), &m->base, &m->len, &err);
+    rc = frk_load_file(PyBytes_AS_STRING(path_o),
+                       (copy ? FRK_LOAD_COPY : 0u) | (verify ? FRK_LOAD_VERIFY : 0u), &m->base,
+                       &m->len, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(path_o);
     if (rc) {
@@ -556,61 +482,29 @@ static void Mapping_dealloc(MappingObject *m)
 
 static int Mapping_getbuffer(MappingObject *m, Py_buffer *view, int flags)
 {
-    if (!m->base) {
-        PyErr_SetString(PyExc_ValueError, "mapping is closed");
-        return -1;
-    }
-    if (PyBuffer_FillInfo(view, (PyObject *)m, m->base, (Py_ssize_t)m->len, 0, flags) < 0)
-        return -1;
-    m->exports++;
-    return 0;
-}
-
-static void Mapping_releasebuffer(MappingObject *m, Py_buffer *Py_UNUSED(view)) { m->exports--; }
-
-static PyObject *Mapping_close(MappingObject *m, PyObject *Py_UNUSED(a))
-{
-    if (m->exports > 0) {
-        PyErr_Format(PyExc_BufferError, "cannot close: %zd views of the checkpoint are alive",
-                     m->exports);
-        return NULL;
-    }
-    frk_unmap(m->base, m->len);
-    m->base = NULL;
-    m->len = 0;
-    Py_RETURN_NONE;
+    return PyBuffer_FillInfo(view, (PyObject *)m, m->base, (Py_ssize_t)m->len, 0, flags);
 }
 
 static PyObject *Mapping_get_size(MappingObject *m, void *Py_UNUSED(c))
 {
     return PyLong_FromSize_t(m->len);
 }
-static PyObject *Mapping_get_exports(MappingObject *m, void *Py_UNUSED(c))
-{
-    return PyLong_FromSsize_t(m->exports);
-}
 
-static PyMethodDef Mapping_methods[] = {
-    {"close", (PyCFunction)Mapping_close, METH_NOARGS,
-     "close($self, /)\n--\n\nFree the memory; refused while views are alive."},
-    {NULL},
-};
 static PyGetSetDef Mapping_getset[] = {
     {"size", (getter)Mapping_get_size, NULL, "bytes mapped", NULL},
-    {"exports", (getter)Mapping_get_exports, NULL, "buffer views alive", NULL},
     {NULL},
 };
 static PyType_Slot Mapping_slots[] = {
     {Py_tp_new, Mapping_new},
     {Py_tp_dealloc, Mapping_dealloc},
-    {Py_tp_methods, Mapping_methods},
     {Py_tp_getset, Mapping_getset},
     {Py_bf_getbuffer, Mapping_getbuffer},
-    {Py_bf_releasebuffer, Mapping_releasebuffer},
-    {Py_tp_doc, "Mapping(path, *, copy=False)\n--\n\n"
+    {Py_tp_doc, "Mapping(path, *, copy=False, verify=False)\n--\n\n"
                 "A checkpoint file's bytes, exported through the buffer protocol: a private\n"
                 "copy-on-write mapping of the file, or with copy=True the file read whole into\n"
-                "memory of the process's own (what later happens to the file cannot reach it)."},
+                "memory of the process's own (what later happens to the file cannot reach it).\n"
+                "verify=True checks the structure and every blob's CRC32C on the way in, on all\n"
+                "the CPUs; a Reader of it then need not check the blobs again."},
     {0, NULL},
 };
 static PyType_Spec Mapping_spec = {"fastai_resume._core.Mapping", sizeof(MappingObject), 0,

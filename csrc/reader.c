@@ -1,16 +1,10 @@
-/* The validating reader, and the two ways to bring a file into memory for it: a private
- * mapping, or a read into memory of the process's own. */
-#define _GNU_SOURCE
+/* The validating reader: checks a checkpoint image (load.c brings files into memory) and
+ * decodes its index. */
 #include "internal.h"
 #include "layout.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 struct frk_reader {
     const uint8_t *data;
@@ -28,93 +22,6 @@ struct frk_reader {
 int frk_has_magic(const void *data, size_t len)
 {
     return len >= FRK_MAGIC_SIZE && memcmp(data, FRK_PREAMBLE_MAGIC, FRK_MAGIC_SIZE) == 0;
-}
-
-/* Opens path for reading if it is a regular file long enough to be a checkpoint. */
-static int open_checkpoint_file(const char *path, int *fd_out, size_t *len, frk_error *err)
-{
-    /* O_NONBLOCK: a FIFO or device must fail the S_ISREG check below, not block the open. */
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0)
-        return frk_io_fail(err, "cannot open", path, errno);
-    struct stat st;
-    int rc = FRK_OK;
-    if (fstat(fd, &st))
-        rc = frk_io_fail(err, "cannot stat", path, errno);
-    else if (!S_ISREG(st.st_mode))
-        rc = frk_fail(err, FRK_ECORRUPT, 0, "%s is not a regular file", path);
-    else if (st.st_size < (off_t)(FRK_PREAMBLE_SIZE + FRK_FOOTER_SIZE))
-        rc = frk_fail(err, FRK_ECORRUPT, 0,
-                      "%s is %lld bytes, too short to be a checkpoint (truncated?)", path,
-                      (long long)st.st_size);
-    else if ((uint64_t)st.st_size > SIZE_MAX)
-        rc = frk_fail(err, FRK_ECORRUPT, 0, "%s is too large to map", path);
-    if (rc) {
-        close(fd);
-        return rc;
-    }
-    *fd_out = fd;
-    *len = (size_t)st.st_size;
-    return FRK_OK;
-}
-
-int frk_map_file(const char *path, uint8_t **base, size_t *len, frk_error *err)
-{
-    int fd, rc = open_checkpoint_file(path, &fd, len, err);
-    if (rc)
-        return rc;
-    void *m = mmap(NULL, *len, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-    int e = errno;
-    close(fd);
-    if (m == MAP_FAILED)
-        return frk_io_fail(err, "cannot map", path, e);
-    madvise(m, *len, MADV_WILLNEED);
-    *base = m;
-    return FRK_OK;
-}
-
-int frk_read_file(const char *path, uint8_t **base, size_t *len, frk_error *err)
-{
-    int fd, rc = open_checkpoint_file(path, &fd, len, err);
-    if (rc)
-        return rc;
-    /* Anonymous memory (not malloc) so that frk_unmap frees either kind.  (MADV_HUGEPAGE
-     * would halve the page faults but stalls in compaction on a first large load.) */
-    uint8_t *m = mmap(NULL, *len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) {
-        int e = errno;
-        close(fd);
-        return e == ENOMEM ? frk_fail(err, FRK_ENOMEM, e, "out of memory reading %s", path)
-                           : frk_io_fail(err, "cannot allocate memory for", path, e);
-    }
-    posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-    size_t done = 0;
-    while (done < *len) {
-        size_t want = *len - done > (1u << 30) ? (1u << 30) : *len - done;
-        ssize_t n = pread(fd, m + done, want, (off_t)done);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0) {
-            int e = errno;
-            rc = n < 0 ? frk_io_fail(err, "cannot read", path, e)
-                       : frk_fail(err, FRK_ECORRUPT, 0,
-                                  "%s shrank from %zu to %zu bytes while it was read (truncated?)",
-                                  path, *len, done);
-            close(fd);
-            munmap(m, *len);
-            return rc;
-        }
-        done += (size_t)n;
-    }
-    close(fd);
-    *base = m;
-    return FRK_OK;
-}
-
-void frk_unmap(uint8_t *base, size_t len)
-{
-    if (base)
-        munmap(base, len);
 }
 
 void frk_reader_free(frk_reader *r)
@@ -303,10 +210,9 @@ int frk_reader_open(const uint8_t *data, size_t len, int verify, frk_reader **ou
     if (rc)
         goto bad;
 
-    if (verify)
-        for (size_t i = 0; i < r->n_blobs; i++)
-            if ((rc = frk_reader_verify_blob(r, i, err)))
-                goto bad;
+    if (verify &&
+        (rc = frk_check_blobs(r->blobs, r->n_blobs, data, FRK_PREAMBLE_SIZE, index_offset, err)))
+        goto bad;
     *out = r;
     return FRK_OK;
 bad:

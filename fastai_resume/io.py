@@ -288,9 +288,9 @@ def load(path: PathLike, verify: bool = True, mmap: bool = False) -> Any:
     `verify=False` skips the blobs' checksums (never the index's). Any defect raises
     `CheckpointError`; no code from the file is ever run.
     """
-    m = _core.Mapping(os.fspath(path), copy=not mmap)
+    m = _core.Mapping(os.fspath(path), copy=not mmap, verify=verify)  # checked on the way in, naming the file
     try:
-        r = _core.Reader(m, verify=verify)
+        r = _core.Reader(m, verify=False)
         return r.tree(_decoder(m, r))
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
@@ -311,9 +311,9 @@ def is_checkpoint(path: PathLike) -> bool:
 
 def info(path: PathLike, verify: bool = True) -> dict:
     "Format facts of a checkpoint without building its tensors: version, blobs, tensor table."
-    m = _core.Mapping(os.fspath(path))
+    m = _core.Mapping(os.fspath(path), verify=verify)  # checked as load checks it, naming the file
     try:
-        r = _core.Reader(m, verify=verify)
+        r = _core.Reader(m, verify=False)  # (the structure again, the only check without verify)
         tensors = r.tensors()  # the table once: info must stay linear in the tensor count
         tree = r.tree(lambda i: _TensorRef(i, tensors[i]))
     except CheckpointError as e:

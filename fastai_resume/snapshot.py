@@ -202,8 +202,8 @@ def _advise(m: mmap.mmap, name: str, *where: int) -> None:
 
 class BackgroundCommit:
     """Snapshots `tree` into `pool`'s buffers now, then commits it to `path` from a thread, with
-    the GIL released while it writes. `done` and `wait()` as the C Writer's own: `wait()` returns
-    the bytes written or raises the commit's error; `seconds`: how long the commit took, once done.
+    the GIL released while it writes. `done`: whether the commit has ended; `wait()` returns the
+    bytes written or raises the commit's error; `seconds`: how long the commit took, once done.
 
     The thread keeps the process's priority (at a lower one a write on busy cores takes several times
     as long, and the next save waits for it). With `direct` it only makes system calls: big storages

@@ -209,17 +209,6 @@ def test_loaded_memory_is_the_process_own_when_the_file_is_truncated_and_rewritt
         assert r.returncode == 0 and r.stdout.strip() == "OK", (r.returncode, r.stdout, r.stderr[-2000:])
 
 
-def test_mapping_refuses_to_close_while_a_view_is_alive(tmp_path):
-    p = tmp_path / "t.frk"
-    fr.save({"w": torch.ones(10)}, p)
-    m = _core.Mapping(str(p))
-    v = memoryview(m)
-    with pytest.raises(BufferError):
-        m.close()
-    v.release()
-    m.close()
-
-
 def test_verify_false_skips_blob_checksums_but_not_the_index(tmp_path):
     p = tmp_path / "t.frk"
     fr.save({"w": torch.zeros(1000)}, p)
@@ -253,17 +242,18 @@ def test_crc32c_hardware_matches_known_vectors():
     assert _core.crc32c(data[1000:], _core.crc32c(data[:1000])) == _core.crc32c(data)
 
 
-def test_background_commit_writes_the_same_file(tmp_path):
+def test_a_writer_commits_once_and_refuses_values_after(tmp_path):
     from fastai_resume.io import encode
 
     tree = {"w": torch.randn(1000, 100)}
     w = encode(tree)
-    w.commit_async(str(tmp_path / "a.frk"))
-    size = w.wait()
+    size = w.commit(str(tmp_path / "a.frk"))
     assert size == os.path.getsize(tmp_path / "a.frk")
     assert torch.equal(fr.load(tmp_path / "a.frk")["w"], tree["w"])
     with pytest.raises(RuntimeError, match="already been committed"):
         w.commit(str(tmp_path / "b.frk"))
+    with pytest.raises(RuntimeError, match="already been committed"):
+        w.put_none()
 
 
 def test_failed_commit_names_the_path_and_leaves_the_previous_file(tmp_path):
@@ -328,7 +318,7 @@ def test_every_core_function_method_and_type_has_a_signature():
         "SkipToIter.before_epoch",
         "skip_plan",
     } <= set(checked)
-    assert list(inspect.signature(_core.Mapping).parameters) == ["path", "copy"]
+    assert list(inspect.signature(_core.Mapping).parameters) == ["path", "copy", "verify"]
     assert str(inspect.signature(_core.Writer.commit)) == "(self, /, path, fsync=True, direct=True)"
 
 
@@ -350,38 +340,3 @@ def test_skip_actions_are_exposed_by_the_core_not_mirrored():
     assert s.before_epoch(1) == (_core.STEP_RESUME, _core.RNG_SAVED, 0)
     assert len({_core.STEP_RUN, _core.STEP_SKIP, _core.STEP_RESUME}) == 3
     assert len({_core.RNG_NONE, _core.RNG_SAVED, _core.RNG_EPOCH_START}) == 3
-
-
-def test_two_threads_waiting_for_one_background_commit_both_get_its_result(tmp_path):
-    "wait() joins the C thread exactly once, however many Python threads wait for it."
-    import threading
-
-    big = torch.randn(1 << 22)  # 16 MB: the commit is still running when the waiters start
-    w = fr.io.encode({"w": big})
-    w.commit_async(str(tmp_path / "t.frk"))
-    results, start = [], threading.Barrier(3)
-
-    def waiter():
-        start.wait()
-        results.append(w.wait())
-
-    threads = [threading.Thread(target=waiter) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(results) == 3 and len(set(results)) == 1
-    assert w.wait() == results[0]  # a waiter that comes after the join gets the same result
-    assert results[0] == (tmp_path / "t.frk").stat().st_size and w.done
-    assert torch.equal(fr.load(tmp_path / "t.frk")["w"], big)
-    with pytest.raises(RuntimeError, match="already been committed"):
-        w.put_int(1)
-
-
-def test_a_writer_refuses_values_while_its_commit_runs_in_another_thread(tmp_path):
-    w = fr.io.encode({"w": torch.randn(1 << 22)})
-    w.commit_async(str(tmp_path / "t.frk"))
-    with pytest.raises(RuntimeError, match="already been committed"):
-        w.put_none()
-    n = w.wait()
-    assert w.wait() == n  # waiting again after the join gives the same result

@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -1581,6 +1582,14 @@ static void test_truncation_every_offset(void)
         CHECKF(rc == FRK_ECORRUPT && strlen(err.msg) > 0, "file cut to %zu: rc %d", cuts[c], rc);
         if (cuts[c] < 128)
             CHECKF(strstr(err.msg, path) && strstr(err.msg, "too short"), "%s", err.msg);
+        for (unsigned copy = 0; copy < 2; copy++) { /* frk_load_file: its message names the file */
+            rc = frk_load_file(path, (copy ? FRK_LOAD_COPY : 0u) | FRK_LOAD_VERIFY, &base, &blen,
+                               &err);
+            CHECKF(rc == FRK_ECORRUPT && !strncmp(err.msg, path, strlen(path)),
+                   "file cut to %zu, copy %u: rc %d %s", cuts[c], copy, rc, rc ? err.msg : "");
+            if (rc == FRK_OK)
+                frk_unmap(base, blen);
+        }
     }
     CHECK(write_whole(path, img, len) == 0); /* control: the whole file maps and opens */
     {
@@ -2800,6 +2809,161 @@ static void direct_case(void)
         free(owned[i]);
 }
 
+/* Blobs for frk_load_file: some span the pass's 2 MiB chunks, some start and end inside one, some
+ * are empty; 27 MiB in all, enough for the pass to be split over threads. */
+static const size_t load_sizes[] = {
+    0, 100, (3u << 20) + 7, 1, (5u << 20) + 4096, 64, (11u << 20) + 3,
+    0, 77,  2u << 20,       5, (4u << 20) + 1,    3};
+#define N_LOAD_BLOBS (sizeof load_sizes / sizeof *load_sizes)
+
+/* Loads path both ways with verify; each must fail naming blob `bad` (or succeed when bad < 0) and
+ * give back the file's bytes. */
+static void load_both_ways(const char *path, const uint8_t *file, size_t flen, long bad)
+{
+    static const unsigned ways[] = {FRK_LOAD_COPY | FRK_LOAD_VERIFY, FRK_LOAD_VERIFY};
+    for (size_t w = 0; w < 2; w++) {
+        uint8_t *base = NULL;
+        size_t len = 0;
+        frk_error err;
+        int rc = frk_load_file(path, ways[w], &base, &len, &err);
+        if (bad < 0) {
+            if (CHECKF(rc == FRK_OK, "way %zu: %s", w, rc ? err.msg : ""))
+                CHECKF(len == flen && !memcmp(base, file, flen), "way %zu: other bytes", w);
+        } else {
+            char want[64];
+            snprintf(want, sizeof want, "checksum mismatch in blob %ld ", bad);
+            CHECKF(rc == FRK_ECORRUPT && strstr(err.msg, want) &&
+                       !strncmp(err.msg, path, strlen(path)),
+                   "way %zu, blob %ld: rc %d, %s", w, bad, rc, rc ? err.msg : "");
+        }
+        if (rc == FRK_OK)
+            frk_unmap(base, len);
+    }
+}
+
+/* The fraction of a file's pages in the page cache. */
+static double resident_fraction(int fd, size_t len)
+{
+    size_t pages = (len + 4095) / 4096, in = 0;
+    unsigned char *vec = xmalloc(pages);
+    void *m = mmap(NULL, len, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED || mincore(m, len, vec))
+        in = pages;
+    else
+        for (size_t i = 0; i < pages; i++)
+            in += vec[i] & 1;
+    if (m != MAP_FAILED)
+        munmap(m, len);
+    free(vec);
+    return (double)in / (double)pages;
+}
+
+/* frk_load_file, mapped and read, with the page cache holding all of the file, none of it (read
+ * around it then), or part of it. */
+static void test_load_file(void)
+{
+    uint8_t *bufs[N_LOAD_BLOBS];
+    frk_builder *b = frk_builder_new();
+    frk_error err;
+    int rc = frk_builder_put_container(b, FRK_TAG_LIST, N_LOAD_BLOBS, &err);
+    for (size_t i = 0; i < N_LOAD_BLOBS; i++) {
+        bufs[i] = xmalloc(load_sizes[i] + 1);
+        for (size_t k = 0; k < load_sizes[i]; k++)
+            bufs[i][k] = (uint8_t)(rnd() >> 24);
+        uint64_t bi, ti;
+        if (!rc)
+            rc = frk_builder_add_blob(b, bufs[i], load_sizes[i], &bi, &err);
+        if (!rc)
+            rc = frk_builder_add_tensor(b, 0, FRK_DT_U8, bi, 0, 1,
+                                        (int64_t[]){(int64_t)load_sizes[i]}, (int64_t[]){1}, &ti,
+                                        &err);
+        if (!rc)
+            rc = frk_builder_put_tensor(b, ti, &err);
+    }
+    char path[512];
+    path_in(path, sizeof path, "load.frk");
+    if (!rc)
+        rc = frk_builder_commit(b, path, FRK_COMMIT_FSYNC, NULL, &err);
+    frk_builder_free(b);
+    size_t flen = 0;
+    uint8_t *file = rc ? NULL : read_whole(path, &flen);
+    if (!CHECKF(file, "%s", rc ? err.msg : "cannot read it back"))
+        goto out;
+    frk_reader *r;
+    if (!CHECK(frk_reader_open(file, flen, 1, &r, &err) == FRK_OK))
+        goto out;
+    uint64_t off[N_LOAD_BLOBS];
+    for (size_t i = 0; i < N_LOAD_BLOBS; i++)
+        off[i] = frk_reader_blob(r, i)->offset;
+    frk_reader_free(r);
+
+    int fd = open(path, O_RDWR);
+    CHECK(fd >= 0);
+    for (int cache = 0; cache < 3; cache++) {
+        /* 0: all cached; 1: none; 2: the first 9 MiB and a page in the middle of blob 6 */
+        if (cache) {
+            CHECK(fdatasync(fd) == 0 && posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0);
+            if (cache == 2) {
+                uint8_t *tmp = xmalloc(9u << 20);
+                CHECK(pread(fd, tmp, 9u << 20, 0) == 9 << 20 &&
+                      pread(fd, tmp, 4096, (off_t)(off[6] + (3u << 20) + 100)) == 4096);
+                free(tmp);
+            }
+        }
+        if (cache == 1) { /* where the file left the cache, the read goes around it */
+            double before = resident_fraction(fd, flen), after = -1;
+            uint8_t *base;
+            size_t len;
+            if (CHECK(frk_load_file(path, FRK_LOAD_COPY | FRK_LOAD_VERIFY, &base, &len, &err) ==
+                      FRK_OK)) {
+                after = resident_fraction(fd, flen);
+                CHECK(len == flen && !memcmp(base, file, flen));
+                frk_unmap(base, len);
+            }
+            CHECKF(before > 0.5 || after < 0.2, "%.0f%% of the file in the cache after the read",
+                   100 * after); /* (tmpfs: always in it) */
+        }
+        load_both_ways(path, file, flen, -1);
+    }
+    /* A flipped byte: in a blob inside one chunk, at the start, middle and end of blobs that span
+     * chunks, in the first and the last bytes of the data; each names its blob. */
+    const struct {
+        size_t blob;
+        uint64_t at;
+    } flips[] = {{1, 50},   {2, 0},    {2, (2u << 20) + 9}, {2, (3u << 20) + 6},
+                 {4, 4096}, {6, 1000}, {6, (8u << 20) + 1}, {9, (2u << 20) - 1},
+                 {12, 2}};
+    for (size_t f = 0; f < sizeof flips / sizeof *flips; f++) {
+        uint64_t at = off[flips[f].blob] + flips[f].at;
+        uint8_t x = file[at] ^ 0x10;
+        for (int cache = 0; cache < 2; cache++) {
+            CHECK(pwrite(fd, &x, 1, (off_t)at) == 1);
+            if (cache)
+                CHECK(fdatasync(fd) == 0 && posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0);
+            load_both_ways(path, file, flen, (long)flips[f].blob);
+            CHECK(pwrite(fd, file + at, 1, (off_t)at) == 1);
+        }
+    }
+    /* without verify the copy holds the flipped byte */
+    {
+        uint64_t at = off[6] + (5u << 20);
+        uint8_t x = file[at] ^ 1;
+        CHECK(pwrite(fd, &x, 1, (off_t)at) == 1);
+        uint8_t *base;
+        size_t len;
+        if (CHECK(frk_load_file(path, FRK_LOAD_COPY, &base, &len, &err) == FRK_OK)) {
+            CHECK(len == flen && base[at] == x && !memcmp(base, file, at));
+            frk_unmap(base, len);
+        }
+        CHECK(pwrite(fd, file + at, 1, (off_t)at) == 1);
+    }
+    close(fd);
+out:
+    free(file);
+    for (size_t i = 0; i < N_LOAD_BLOBS; i++)
+        free(bufs[i]);
+}
+
 static void test_crc_combine_and_copy(void)
 {
     static const size_t sizes[] = {
@@ -3011,6 +3175,7 @@ int main(int argc, char **argv)
     run_test("crc32c_combine_and_copy", test_crc_combine_and_copy);
     run_test("error_message_cut_at_a_character", test_error_message_cut_at_a_character);
     run_test("reader_truncation_every_offset", test_truncation_every_offset);
+    run_test("load_file_mapped_and_read_in_chunks", test_load_file);
     run_test("reader_bit_flips", test_bit_flips);
     run_test("reader_patched_real_file", test_patched_real_file);
     run_test("hostile_control_matches_builder", test_hostile_control);
