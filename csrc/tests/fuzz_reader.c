@@ -10,13 +10,22 @@
  * and last byte of every string, every blob and every tensor's byte extent, so
  * ASan reports any view the reader accepted that leaves the buffer, and it
  * aborts if a tensor's extent leaves its blob or a node's `next` is wrong.
+ *
+ * Each input (and its resealed copy) is also written to a memory file and loaded with
+ * frk_load_file in its three ways (copied and verified, mapped and verified, copied): the verified
+ * loads must accept exactly what frk_reader_open(verify = 1) accepts of the same bytes, and every
+ * accepted load must hand back those bytes.
  */
+#define _GNU_SOURCE
 #include "frk.h"
 #include "layout.h"
 
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 static volatile uint8_t sink;
 
@@ -128,7 +137,7 @@ static void walk(const uint8_t *data, size_t size, const frk_reader *r)
     }
 }
 
-static void open_and_walk(const uint8_t *data, size_t size)
+static int open_and_walk(const uint8_t *data, size_t size)
 {
     frk_reader *r = NULL;
     frk_error err;
@@ -141,6 +150,40 @@ static void open_and_walk(const uint8_t *data, size_t size)
         REQUIRE(r == NULL && err.status == rc && (rc == FRK_ECORRUPT || rc == FRK_ENOMEM));
         REQUIRE(memchr(err.msg, 0, sizeof err.msg) != NULL && err.msg[0]);
     }
+    return rc;
+}
+
+/* The same bytes as a file, loaded the three ways frk_load_file offers. */
+static void load_as_file(const uint8_t *data, size_t size, int opened)
+{
+    int fd = memfd_create("fuzz", 0);
+    REQUIRE(fd >= 0);
+    size_t done = 0;
+    while (done < size) {
+        ssize_t w = write(fd, data + done, size - done);
+        REQUIRE(w > 0);
+        done += (size_t)w;
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    static const unsigned ways[] = {FRK_LOAD_COPY | FRK_LOAD_VERIFY, FRK_LOAD_VERIFY,
+                                    FRK_LOAD_COPY};
+    for (size_t k = 0; k < sizeof ways / sizeof ways[0]; k++) {
+        uint8_t *base = NULL;
+        size_t len = 0;
+        frk_error err;
+        int rc = frk_load_file(path, ways[k], &base, &len, &err);
+        if (ways[k] & FRK_LOAD_VERIFY)
+            REQUIRE((rc == FRK_OK) == (opened == FRK_OK) || rc == FRK_ENOMEM ||
+                    opened == FRK_ENOMEM);
+        if (rc == FRK_OK) {
+            REQUIRE(len == size && (size == 0 || memcmp(base, data, size) == 0));
+            frk_unmap(base, len);
+        } else {
+            REQUIRE(memchr(err.msg, 0, sizeof err.msg) != NULL && err.msg[0]);
+        }
+    }
+    close(fd);
 }
 
 /* A copy with every checksum (and the footer's magic and file size) made right. */
@@ -178,10 +221,10 @@ static uint8_t *reseal_copy(const uint8_t *data, size_t size)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    open_and_walk(data, size);
+    load_as_file(data, size, open_and_walk(data, size));
     uint8_t *c = reseal_copy(data, size);
     if (c) {
-        open_and_walk(c, size);
+        load_as_file(c, size, open_and_walk(c, size));
         free(c);
     }
     return 0;
