@@ -201,41 +201,7 @@ def scale(res) -> str:
     return "\n".join(out + ["", machine_line(res)])
 
 
-def _io_raw_read(res) -> str:
-    """The figures of bench/io.py before it had cold and warm loads and physical limits (its places have
-    `ours_over_raw`): the committed results until the benchmark is run again."""
-    out = [
-        f"State: {res['state']} + Adam, {res['bytes'] / 2**30:.2f} GiB; CRC32C: {res['crc32c']}.",
-        "",
-        "| file system | contender | save | save GB/s | load (+ read every tensor) | peak RSS above the state (save) |",
-        "|---|---|---|---|---|---|",
-    ]
-    notes = []
-    for pl in res["places"]:
-        fs = f"{pl['disk']['fs']} ({pl['disk']['device']})"
-        for name, c in pl["contenders"].items():
-            out.append(
-                f"| {fs} | {name} | {_mm(c['save'], fmt='{:.2f} s')} | {res['bytes'] / c['save']['median'] / 1e9:.2f} "
-                f"| {_mm(c['load'], fmt='{:.2f} s')} | {c['peak_extra']['median'] / 2**20:.0f} MiB |"
-            )
-        r, ours = pl["ours_over_raw"], pl["contenders"]["fastai_resume"]
-        vs = "; ".join(
-            f"{n} {c['save']['median'] / ours['save']['median']:.2f}x / {c['load']['median'] / ours['load']['median']:.2f}x"
-            for n, c in pl["contenders"].items()
-            if n not in ("fastai_resume", "raw write/read")
-        )
-        notes.append(
-            f"- {fs}: save {_mm(r['save'], fmt='{:.2f}x')} the raw write (target at most 1.1x: "
-            f"{'met' if r['save']['median'] <= 1.1 else 'not met'}), verified load {_mm(r['load'], fmt='{:.2f}x')} "
-            f"the raw read (target at most 1.5x: {'met' if r['load']['median'] <= 1.5 else 'not met'}); "
-            f"others' time over ours (save / load): {vs}."
-        )
-    return "\n".join(out + [""] + notes + ["", machine_line(res)])
-
-
 def io(res) -> str:
-    if any("ours_over_raw" in pl for pl in res["places"]):
-        return _io_raw_read(res)
     out = [
         f"State: {res['state']} + Adam, {res['bytes'] / 2**30:.2f} GiB; CRC32C: {res['crc32c']}.",
         "",
