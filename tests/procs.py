@@ -26,6 +26,12 @@ def trainer_cmd(path, out, *args):
     return [sys.executable, os.path.join(HERE, "trainer.py"), "--path", str(path), "--out", str(out), *args]
 
 
+def torchrun_trainer(n, path, out, *args):
+    "tests/trainer.py as an `n`-process job launched as torchrun launches it."
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
+    return launch + trainer_cmd(path, out, *args)[1:]
+
+
 def start(cmd, **kw):
     "Popen of `cmd` with unbuffered, merged output to read line by line."
     return subprocess.Popen(

@@ -204,6 +204,14 @@ def _int(s):
     return int(s.replace(",", ""))
 
 
+def left_on(models):
+    "The run's checkpoints in `models` (each verified), their sizes, and any temporary file left there."
+    files = sorted(models.glob("auto-*.frk"))
+    for f in files:
+        fr.info(f, verify=True)
+    return files, [f.stat().st_size for f in files], list(models.glob(".*tmp*"))
+
+
 @pytest.mark.parametrize("mode", ["background", "sync"])
 def test_a_full_disk_says_so_once_per_occurrence_with_the_room_needed_and_what_was_removed(tmp_path, mode):
     """keep=2 (tests/trainer.py's) on a real disk that holds two and a half checkpoints: every save after
@@ -213,11 +221,7 @@ def test_a_full_disk_says_so_once_per_occurrence_with_the_room_needed_and_what_w
     with tmpfs(tmp_path / "disk", "11m") as disk:
         out = run(disk, tmp_path / "out.frk", *FULL_DISK, *(("--auto-sync",) if mode == "sync" else ()))
         models = disk / "models"
-        files = sorted(models.glob("auto-*.frk"))
-        sizes = [p.stat().st_size for p in files]
-        for p in files:
-            fr.info(p, verify=True)
-        temps = list(models.glob(".*tmp*"))
+        files, sizes, temps = left_on(models)
     lines = out.splitlines()
     printed = [ln for ln in lines if ln.startswith("AutoCheckpoint: the disk is full")]
     warned = [ln[len("WARNING: ") :] for ln in lines if ln.startswith("WARNING: AutoCheckpoint: the disk is full")]
@@ -250,11 +254,7 @@ def test_a_full_disk_with_nothing_left_to_remove_is_an_error_that_says_what_to_d
             600,
         )
         models = disk / "models"
-        files = sorted(models.glob("auto-*.frk"))
-        sizes = [f.stat().st_size for f in files]
-        for f in files:
-            fr.info(f, verify=True)
-        temps = list(models.glob(".*tmp*"))
+        files, sizes, temps = left_on(models)
     assert p.returncode != 0, p.stdout
     assert len(files) == 1 and temps == []  # the first checkpoint is intact, nothing is left behind
     err = p.stderr.splitlines()[-1]

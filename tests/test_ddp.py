@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from procs import ENV, FORKS, HERE, equal, kill_job, run_name, shared_run, start, wait_for_line
+from procs import ENV, FORKS, HERE, equal, kill_job, run_name, shared_run, start, torchrun_trainer, wait_for_line
 
 import fastai_resume as fr
 
@@ -26,21 +26,7 @@ pytestmark = pytest.mark.slow  # every test launches 2-process jobs (3 interpret
 
 
 def torchrun(path, out, *args):
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        os.path.join(HERE, "trainer.py"),
-        "--ddp",
-        "--path",
-        str(path),
-        "--out",
-        str(out),
-        *args,
-    ]
+    return torchrun_trainer(2, path, out, "--ddp", *args)
 
 
 def launch(path, out, *args, ok=True):

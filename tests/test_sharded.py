@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from procs import ENV, FORKS, HERE, equal, kill_job, shared_run, start, wait_for_line
+from procs import ENV, FORKS, HERE, equal, kill_job, shared_run, start, torchrun_trainer, wait_for_line
 from torch import nn
 
 import fastai_resume as fr
@@ -280,22 +280,7 @@ def test_continuing_at_another_world_size_counts_the_position_in_samples():
 
 
 def torchrun(n, path, out, *args):
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(n),
-        os.path.join(HERE, "trainer.py"),
-        "--fsdp",
-        "--bn",
-        "--path",
-        str(path),
-        "--out",
-        str(out),
-        *args,
-    ]
+    return torchrun_trainer(n, path, out, "--fsdp", "--bn", *args)
 
 
 def launch(n, path, out, *args, ok=True):
