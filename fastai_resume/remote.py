@@ -528,10 +528,18 @@ class Publisher:
         marker.update(uploaded=time.time(), machine=_machine().split(" ")[0], pid=os.getpid())
         self.lease.fence()
         self.fs.pipe_file(key(name + MARKER), json.dumps(marker).encode())
-        if name + CORRUPT in ls:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(key(name + CORRUPT))
-        self.retain()
+        try:  # the checkpoint is complete there now: what follows tidies, and the next upload does it again
+            if name + CORRUPT in ls:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(key(name + CORRUPT))
+            self.retain()
+        except _Lost:
+            raise
+        except Exception as e:
+            self.notices.post(
+                f"AutoCheckpoint: {name} is complete on {self.url}, but removing what `keep` no longer holds "
+                f"there failed ({_reason(e)}); the next upload tries again"
+            )
 
     def _end(self, file: str, token: int, ls: dict):
         "A stage-end file a checkpoint names, uploaded once under its token: its marker entry."
