@@ -16,11 +16,10 @@ The Pythons are pyproject.toml's classifiers, found under pyenv (or on PATH as p
 
 Downloads and installs happen once per machine (pip's cache, shared by every venv, stays empty
 behind a package proxy that sends no caching headers, as this machine's does): a row's dependencies
-are installed once into an environment under ~/.cache/fastai-resume/matrix/ (named by a hash of the
-Python, the pins and the wheel's requirements, never changed once complete; one unused for 14 days
-is removed), from which each run makes the row's clean venv as a hard-linked copy (under a second,
-no disk) before pip installs the wheel into it. Identical libraries of those environments (the CUDA
-libraries of the same torch under two Pythons) are hard-linked too.
+are installed once into an environment of .ci/envs.py's cache, from which each run makes the row's
+clean venv as a hard-linked copy (under a second, no disk) before pip installs the wheel into it.
+Identical libraries of those environments (the CUDA libraries of the same torch under two Pythons)
+are hard-linked too.
 
     python3 .ci/matrix.py                       # all rows; writes .ci/matrix.json
     python3 .ci/matrix.py --rows 3.12:newest    # some rows; writes build/matrix/matrix.json
@@ -30,9 +29,7 @@ libraries of the same torch under two Pythons) are hard-linked too.
 
 import argparse
 import email.parser
-import fcntl
 import glob
-import hashlib
 import json
 import os
 import platform
@@ -45,13 +42,12 @@ import tomllib
 import xml.etree.ElementTree as ET
 import zipfile
 
+from envs import CACHE, clean_venv, environment, prune_cache
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build", "matrix")
 RESULTS = os.path.join(ROOT, ".ci", "matrix.json")
 README = os.path.join(ROOT, "docs", "install.md")  # the page the table lives in
-CACHE = os.environ.get("FRK_MATRIX_CACHE") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastai-resume", "matrix"
-)
 STACKS = ("newest", "oldest")
 TORCHVISION = {"2.6": "0.21.0"}  # torchvision pins torch exactly: the one built for the oldest torch
 TOOLS = ["pytest", "pytest-timeout", "pytest-xdist", "filelock"]
@@ -63,7 +59,6 @@ TESTS = [
 ]
 SELECT = "not slow"
 PYTEST = ["-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "worksteal", "--timeout", "1200", "-m", SELECT]
-UNUSED_DAYS = 14
 BLOCK = re.compile(r"(<!-- matrix -->\n)(?P<body>.*?)(<!-- /matrix -->)", re.S)
 
 
@@ -188,76 +183,6 @@ def checkout_copy():
     return tree
 
 
-def prune_cache():
-    "Environments no run has used for UNUSED_DAYS days (and none being built) are removed."
-    for ready in glob.glob(os.path.join(CACHE, "*", ".ready")):
-        env = os.path.dirname(ready)
-        if time.time() - os.path.getmtime(ready) > UNUSED_DAYS * 86400:
-            with open(env + ".lock", "w") as lock:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                shutil.rmtree(env, ignore_errors=True)
-
-
-def environment(name, exe, reqs, constraints):
-    """The machine's environment for a row: the wheel's requirements and the test tools under the
-    row's constraints, installed once (under a lock, complete only with its `.ready`). Returns its
-    path and whether this call installed it."""
-    spec = {
-        "python": sh([exe, "-c", "import sys; print(sys.version)"]),
-        "requires": reqs,
-        "tools": TOOLS,
-        "constraints": constraints,
-    }
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    env = os.path.join(CACHE, f"{name}-{key}")
-    os.makedirs(CACHE, exist_ok=True)
-    with open(env + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        ready = os.path.join(env, ".ready")
-        if os.path.exists(ready):
-            os.utime(ready)
-            return env, False
-        shutil.rmtree(env, ignore_errors=True)
-        sh([exe, "-m", "venv", env])
-        cfile = os.path.join(env, "constraints.txt")
-        with open(cfile, "w") as f:
-            f.write("\n".join(constraints) + "\n")
-        sh([os.path.join(env, "bin", "python"), "-m", "pip", "install", "-q", *reqs, *TOOLS, "-c", cfile])
-        with open(os.path.join(env, "spec.json"), "w") as f:
-            json.dump(spec, f, indent=1)
-        if shutil.which("hardlink"):  # the same torch's libraries under another Python: one copy on disk
-            subprocess.run(["hardlink", "-q", "-t", "-f", "-s", "1M", CACHE])
-        open(ready, "w").close()
-    return env, True
-
-
-def clean_venv(env, venv):
-    """A hard-linked copy of `env` at `venv`: a venv of its own (Python finds its prefix by where
-    it runs from); the scripts in bin/ that name `env` are rewritten as new files, never in place
-    (their inodes are `env`'s)."""
-    shutil.rmtree(venv, ignore_errors=True)
-    os.makedirs(os.path.dirname(venv), exist_ok=True)
-    if subprocess.run(["cp", "-al", env, venv], capture_output=True).returncode != 0:
-        shutil.rmtree(venv, ignore_errors=True)
-        sh(["cp", "-a", env, venv])  # another file system: a plain copy
-    bindir = os.path.join(venv, "bin")
-    for name in os.listdir(bindir):
-        path = os.path.join(bindir, name)
-        if os.path.islink(path) or not os.path.isfile(path):
-            continue
-        with open(path, "rb") as f:
-            data = f.read()
-        if env.encode() in data:
-            tmp = path + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(data.replace(env.encode(), venv.encode()))
-            shutil.copymode(path, tmp)
-            os.replace(tmp, path)
-
-
 PROBE = """\
 import json, os, platform, sysconfig, importlib.metadata as md
 import fastai_resume, fastai_resume._core as core
@@ -276,7 +201,7 @@ def run_row(py, stack, wheel, tree):
     os.makedirs(out, exist_ok=True)
     t0 = time.monotonic()
     constraints = pins(stack)
-    env, built = environment(name, find_python(py), requirements(wheel), constraints)
+    env, built = environment(name, find_python(py), requirements(wheel), constraints, TOOLS)
     venv = os.path.join(out, "venv")
     clean_venv(env, venv)
     vpy = os.path.join(venv, "bin", "python")

@@ -86,3 +86,4 @@ def __getattr__(name):  # fastai's classes are needed only once the user's code 
 
 after_import("fastai.learner", lambda: importlib.import_module(".patches", __name__))
 after_import("fastai.callback.schedule", lambda: importlib.import_module(".patches", __name__)._patch_schedule())
+after_import("fastai.distributed", lambda: importlib.import_module(".patches", __name__).patch_distributed_dl())

@@ -29,7 +29,7 @@ from fastai.callback.core import Callback
 from fastai.learner import Learner
 from fastcore.basics import noop, patch_to
 
-from . import dist, patches
+from . import dist
 
 __all__ = ["fsdp_ctx", "ShardedTrainer", "shard_model"]
 
@@ -46,7 +46,6 @@ class ShardedTrainer(Callback):
     def _wrap(self, dl):
         from fastai.distributed import DistributedDL
 
-        patches.patch_distributed_dl()  # (fastai.distributed is imported now: the patch finds its class)
         return dl if isinstance(dl, DistributedDL) else DistributedDL(dl, device=self.device)
 
     def before_fit(self):

@@ -55,8 +55,6 @@ def _is_lr_find(cbs) -> bool:
 @patch
 def _call_one(self: Learner, event_name):
     "fastai's `_call_one`; inside a resumable fit, through the session (so a save can complete the event)."
-    if event_name in ("before_fit", "before_validate") and dist.active():
-        patch_distributed_dl()
     s = session_of(self)
     if s is None:
         return self._orig__call_one(event_name)
@@ -510,8 +508,8 @@ def _broadcast_idxs(self, t, src):
 
 
 def patch_distributed_dl() -> None:
-    """At a fit's or validation's start under a process group: fastai's `DistributedDL` broadcasts each
-    epoch's index list as a CUDA tensor, which needs a GPU; on a non-NCCL process group it stays on the CPU."""
+    """Once `fastai.distributed` is imported: fastai's `DistributedDL` broadcasts each epoch's index list as a
+    CUDA tensor, which needs a GPU; on a non-NCCL process group (or none) it stays on the CPU."""
     ddl = fastai_class("fastai.distributed", "DistributedDL")
     if ddl is not None and getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs":
         ddl._broadcast = _broadcast_idxs
@@ -524,12 +522,14 @@ def _install_lazy_losses() -> None:
 
 
 def apply() -> None:
-    "Once per process: the lazy Recorder losses, and the fit wrappers as soon as fastai defines them."
+    "Once per process: the lazy Recorder losses; the fit wrappers and `DistributedDL` as soon as fastai defines them."
     check_fastai_version()
     _install_lazy_losses()
     _cover_subclasses()
     if imported("fastai.callback.schedule"):
         _patch_schedule()  # else `fastai_resume/__init__`'s hook does it
+    if imported("fastai.distributed"):
+        patch_distributed_dl()  # (the same)
 
 
 apply()

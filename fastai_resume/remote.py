@@ -389,6 +389,7 @@ class Lease:
         self.notices = notices
         self.beat = 0
         self.lost: str | None = None
+        self.lost_lock = threading.Lock()  # the renewals and the uploads both fence: `lost` is said once
         self.ended = threading.Event()  # the process's end, or the lease lost: no more renewals
         self.thread = threading.Thread(target=self._renew_loop, name="fastai_resume-remote", daemon=True)
 
@@ -462,12 +463,14 @@ class Lease:
         if held is None:  # removed (by hand): nobody else holds it
             return self.write()
         if held.get("token") != self.token:
-            who = self._holder(held)
-            self.lost = (
-                f"AutoCheckpoint: the lock {self.lock_name} of {self.url} is held by {who} now (this process did not "
-                "renew it in time: the remote was unreachable): this process no longer mirrors the run (its local "
-                "checkpoints go on), so as not to delete the other one's files"
-            )
+            with self.lost_lock:
+                if self.lost is None:
+                    self.lost = (
+                        f"AutoCheckpoint: the lock {self.lock_name} of {self.url} is held by {self._holder(held)} now "
+                        "(this process did not renew it in time: the remote was unreachable): this process no longer "
+                        "mirrors the run (its local checkpoints go on), so as not to delete the other one's files"
+                    )
+                    self.notices.post(self.lost)
             self.ended.set()
             raise _Lost(self.lost)
 
@@ -476,15 +479,16 @@ class Lease:
             try:
                 self.fence()
                 self.write()
-            except _Lost as e:
-                self.notices.post(str(e))
+            except _Lost:
                 return
             except Exception:
                 pass  # unreachable: the upload thread says so; the lease lapses if it stays so
 
     def stop(self) -> None:
-        "The process's end: no more renewals."
+        "The process's end: no more renewals (one under way ends first, so that `release` is the last write)."
         self.ended.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=RENEW)
 
     def release(self) -> None:
         "Removes the lock if this process still holds it."
@@ -687,8 +691,7 @@ class Uploader:
                     self.newest, self.mirrored_commits = path.name, count
                     self.error = self.behind_since = None
                     backoff = 1.0
-            except _Lost as e:
-                self.notices.post(str(e))
+            except _Lost:  # (the lease said so)
                 return
             except Exception as e:
                 with self.cond:
@@ -828,11 +831,11 @@ class Mirror:
         self.publisher.publish(path)
 
     def close(self) -> None:
-        """At the process's end: the lease's renewals stop, waits up to `wait` seconds for the newest local
-        checkpoint to be mirrored (saying so, and what the remote has if it is not), then releases the lease.
-        Once."""
-        self.lease.stop()
+        """At the process's end: waits up to `wait` seconds for the newest local checkpoint to be mirrored
+        (saying so, and what the remote has if it is not; the lease renewed meanwhile, however long `wait`
+        is), then the renewals stop and the lease is released. Once."""
         if self.uploads.close():
+            self.lease.stop()
             self.lease.release()
 
 

@@ -369,3 +369,32 @@ def test_a_subclass_save_that_drops_with_iter_is_refused_loudly(tmp_path):
         learn.fit(1, 1e-3, cbs=SaveMidFit())
     assert errors and "Dropper.save did not pass with_iter=True on to Learner.save" in errors[0]
     assert not (tmp_path / "models" / "d.frk").exists()
+
+
+_DDL = """
+import sys
+first, then = sys.argv[1:]
+__import__(first); __import__(then)
+import torch
+from fastai.distributed import DistributedDL
+from fastai.data.load import DataLoader
+dl = DistributedDL(DataLoader(list(range(10)), bs=4, shuffle=True), rank=0, world_size=1)
+print(DistributedDL._broadcast.__name__, sum(len(b) for b in dl))
+"""
+
+
+@pytest.mark.parametrize("first", ["fastai_resume", "fastai.distributed"])
+def test_distributed_dl_stays_on_the_cpu_whichever_is_imported_first(first):
+    "fastai's `DistributedDL` moves its index list to CUDA; patched as `fastai.distributed` is imported, in either order."
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    other = "fastai.distributed" if first == "fastai_resume" else "fastai_resume"
+    p = subprocess.run([sys.executable, "-c", _DDL, first, other], capture_output=True, text=True, env=env)
+    assert p.returncode == 0 and p.stdout.split() == ["_broadcast_idxs", "10"], p.stdout + p.stderr
+    # fastai's own, without the package: the negative control
+    p = subprocess.run(
+        [sys.executable, "-c", _DDL, "fastai.distributed", "fastai.learner"], capture_output=True, text=True, env=env
+    )
+    assert p.returncode != 0 and "cuda" in p.stderr.lower(), p.stdout + p.stderr

@@ -428,6 +428,36 @@ def test_a_lock_renewed_by_another_machine_is_refused_and_a_lapsed_one_taken_ove
         m.close()
 
 
+def test_a_lease_taken_by_another_machine_is_said_once_and_this_one_stops_mirroring(tmp_path, s3, bucket, monkeypatch):
+    """The renewals and the uploads both check the lease: once another machine holds it, one notice says so
+    (not one per thread that found out), and this process writes no more there (nor removes the other's lock)."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(remote, "RENEW", 0.2)
+    fs, key = s3.fs(), f"{bucket}/run/.auto-r3.lock"
+    m = remote.Mirror(f"s3://{bucket}/run/", None, tmp_path, "auto", "r3", 2, 10)
+    m.open()
+    try:
+        other = {"token": "other", "pid": 1, "machine": "other-host 0 0", "beat": 0, "renew_seconds": 15}
+        fs.pipe_file(key, json.dumps(other).encode())
+        deadline = time.monotonic() + 30
+        while m.lease.lost is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(remote._Lost):
+            m.lease.fence()  # an upload under way meets it too
+        ckpt = tmp_path / "auto-r3-g001-s000-f00-e000000-i0000000001.frk"
+        fr.save({"w": list(range(8))}, ckpt)
+        with pytest.warns(UserWarning) as said:
+            m.committed(ckpt)  # said in the training thread, at its next checkpoint
+        time.sleep(1.0)
+        said = [str(w.message) for w in said if "is held by" in str(w.message)]
+        assert len(said) == 1 and "other-host" in said[0] and "no longer mirrors the run" in said[0]
+    finally:
+        m.close()
+    assert json.loads(fs.cat_file(key))["token"] == "other"
+    assert not [k for k in fs.ls(f"{bucket}/run/") if k.endswith(".frk")]  # nothing uploaded once lost
+
+
 def test_wrong_credentials_are_a_clear_error_before_training(tmp_path):
     """A server that checks credentials: a wrong secret stops the script at its first training call with one
     line that says so, before any batch; the right keys train (the positive control)."""
