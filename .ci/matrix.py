@@ -42,7 +42,7 @@ import tomllib
 import xml.etree.ElementTree as ET
 import zipfile
 
-from envs import CACHE, clean_venv, environment, prune_cache
+from envs import CACHE, clean_venv, environment, prune_cache, sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build", "matrix")
@@ -105,13 +105,6 @@ def find_python(version):
         if exe and sh([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], check=False) == version:
             return exe
     sys.exit(f"matrix: no Python {version} found (pyenv install {version}, or put python{version} on PATH)")
-
-
-def sh(cmd, check=True, **kw):
-    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if check and p.returncode != 0:
-        sys.exit(f"matrix: {' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stdout[-4000:]}{p.stderr[-4000:]}")
-    return p.stdout.strip()
 
 
 def log(msg):
