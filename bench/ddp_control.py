@@ -58,9 +58,7 @@ def main():
             "grad_allreduce_us": common.stats(allreduce),
             "ratio": common.stats([x / y for x, y in zip(agree, allreduce)]),  # paired by round
         }
-        path = common.write("ddp_control", payload, a.json)
-        print(report.render_file("ddp_control", path))
-        print(f"wrote {path}")
+        report.publish("ddp_control", payload, a.json)
     D.destroy_process_group()
 
 

@@ -352,9 +352,7 @@ def main():
         "crc32c": fr._core.crc32c_impl,
         "places": places,
     }
-    path = common.write("io", payload, a.json)
-    print(report.render_file("io", path))
-    print(f"\nwrote {path}")
+    report.publish("io", payload, a.json)
 
 
 if __name__ == "__main__":

@@ -321,13 +321,11 @@ def main():
         "paired": pair,
         "bench_seconds": time.perf_counter() - t_start,
     }
-    path = common.write("overhead", payload, a.json)
     print(
         f"\n{a.iters} steps of {1e3 * statistics.median(step_s):.0f} ms (median), saves of {nbytes / 1e6:.0f} MB, "
         f"{a.rounds} rounds; memcpy of the same bytes {1e3 * statistics.median(memcpy):.0f} ms"
     )
-    print(report.render_file("overhead", path))
-    print(f"\nwrote {path}")
+    report.publish("overhead", payload, a.json)
 
 
 if __name__ == "__main__":

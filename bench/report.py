@@ -327,6 +327,14 @@ def render_file(name: str, path: str) -> str:
     return RENDER[name](res).rstrip("\n") + "\n"
 
 
+def publish(name: str, payload: dict, path=None) -> str:
+    "A benchmark's end: its figures written (`common.write`), printed as Markdown, and where they went."
+    path = common.write(name, payload, path)
+    print(render_file(name, path))
+    print(f"\nwrote {path}")
+    return path
+
+
 def render(name: str, results=RESULTS) -> str:
     return render_file(name, os.path.join(results, f"{name}.json"))
 

@@ -166,9 +166,7 @@ def main():
             }
         )
     payload = {"machine": machine, "rounds": a.rounds, "batches": a.batches, "item_ms": a.item_ms, "rows": rows}
-    path = common.write("resume", payload, a.json)
-    print(report.render_file("resume", path))
-    print(f"wrote {path}")
+    report.publish("resume", payload, a.json)
 
 
 if __name__ == "__main__":

@@ -132,9 +132,7 @@ def main():
         shutil.rmtree(d, ignore_errors=True)
     rows = [{"blocks": b, **facts[b], **{op: common.stats(times[b][op]) for op in OPS}} for b in depths]
     payload = {"machine": info, "rounds": a.rounds, "width": WIDTH, "rows": rows}
-    path = common.write("scale", payload, a.json)
-    print(report.render_file("scale", path))
-    print(f"\nwrote {path}")
+    report.publish("scale", payload, a.json)
 
 
 if __name__ == "__main__":

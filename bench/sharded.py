@@ -181,9 +181,7 @@ def main():
             )
     shutil.rmtree(a.dir, ignore_errors=True) if a.dir.endswith("sharded-tmp") else None
     payload = {"machine": machine, "rounds": a.rounds, "width": a.width, "layers": a.layers, "rows": rows}
-    path = common.write("sharded", payload, a.json)
-    print(report.render_file("sharded", path))
-    print(f"wrote {path}")
+    report.publish("sharded", payload, a.json)
 
 
 if __name__ == "__main__":
