@@ -151,8 +151,20 @@ class AutoCheckpoint(Callback):
         self._preemption = Preemption()
         self._last_time = 0.0
 
-    def __getstate__(self):  # an exported learner keeps the settings, not a fit's machinery
-        return {**self.__dict__, "_run": None, "files": None, "_preemption": Preemption(), "_mirror": None}
+    def __getstate__(self):
+        """An exported learner (`learn.export`) keeps the settings, not this run: a learner loaded from it and
+        trained by another script starts a run of its own (it would find this run's checkpoints and take them
+        for its own). Nor the remote's credentials (`remote_options`): an exported learner is shared; loaded,
+        it reads them from the environment, as fsspec does."""
+        fresh = {"run_id": None, "attempt": None, "files": None, "saves": Saves(self.on_error), "_run": None}
+        return {
+            **self.__dict__,
+            **fresh,
+            "_mirror": None,
+            "_preemption": Preemption(),
+            "_last_time": 0.0,
+            "remote_options": None,
+        }
 
     @property
     def saved(self) -> list:

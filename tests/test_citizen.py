@@ -106,6 +106,28 @@ def test_export_works_during_a_fit_and_after_an_interrupted_one_and_carries_noth
     assert not any(isinstance(c, fr.ResumeSession) for c in learn.cbs) and fr.script.script(learn).session is None
 
 
+def test_a_learner_exported_with_autocheckpoint_trains_a_run_of_its_own_once_loaded(tmp_path, capsys):
+    """fastai's export-then-reuse: the exported AutoCheckpoint keeps its settings, not the run that exported
+    it (nor the remote's credentials); loaded and trained by another script in the same folder, it starts a
+    new run instead of taking the exporter's checkpoints for its own (it refused the script as changed)."""
+    ac = fr.AutoCheckpoint(every_iters=10, remote_options={"key": "k", "secret": "s"})
+    learn = exportable(tmp_path, [ac])
+    fit(learn, 2, 1e-2)
+    old = {p.name for p in (tmp_path / "models").glob("auto-*.frk")}
+    assert old and ac.run_id is not None
+    learn.export("e.pkl")
+    assert ac.run_id is not None and ac.remote_options  # the exporter's own callback is untouched
+    loaded = load_learner(tmp_path / "e.pkl")
+    got = next(c for c in loaded.cbs if isinstance(c, fr.AutoCheckpoint))
+    assert (got.every_iters, got.keep, got.run_id, got.saved, got.remote_options) == (10, 3, None, [], None)
+    loaded.dls = learn.dls
+    capsys.readouterr()
+    fit(loaded, 1, 1e-3)
+    assert "found auto-" not in capsys.readouterr().out and len(loaded.recorder.values) == 1
+    new = {p.name for p in (tmp_path / "models").glob("auto-*.frk")} - old
+    assert new and got.run_id != ac.run_id and all(got.run_id in n for n in new)
+
+
 def test_a_learner_exported_after_loading_a_mid_fit_checkpoint_is_not_armed(tmp_path):
     learn = exportable(tmp_path)
     fit(learn, 3, 1e-2, cbs=StopAt(1, 10))
