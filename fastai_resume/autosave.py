@@ -142,10 +142,14 @@ class AutoCheckpoint(Callback):
         self.remote, self.remote_options, self.remote_wait = remote, remote_options, remote_wait
         if remote is not None:
             _remote.filesystem(remote, remote_options)  # a missing package or a malformed URL: said now
-        self.run_id = None  # this run's identity (hex), set when its first stage begins (fastai's `run` is taken)
-        self.attempt = None
+        self._no_run_yet()
+
+    def _no_run_yet(self) -> None:
+        "The state of a run, before its first stage begins: everything but the settings."
+        self.run_id: str | None = None  # this run's identity (hex; fastai's `run` is taken), from its first stage
+        self.attempt: int | None = None
         self.files: RunFolder | None = None
-        self.saves = Saves(on_error)
+        self.saves = Saves(self.on_error)
         self._run: AutosaveRun | None = None
         self._mirror = None  # this run's remote.Mirror (rank 0), once the run is known
         self._preemption = Preemption()
@@ -156,15 +160,10 @@ class AutoCheckpoint(Callback):
         trained by another script starts a run of its own (it would find this run's checkpoints and take them
         for its own). Nor the remote's credentials (`remote_options`): an exported learner is shared; loaded,
         it reads them from the environment, as fsspec does."""
-        fresh = {"run_id": None, "attempt": None, "files": None, "saves": Saves(self.on_error), "_run": None}
-        return {
-            **self.__dict__,
-            **fresh,
-            "_mirror": None,
-            "_preemption": Preemption(),
-            "_last_time": 0.0,
-            "remote_options": None,
-        }
+        blank = object.__new__(type(self))
+        blank.on_error = self.on_error
+        blank._no_run_yet()
+        return {**self.__dict__, **blank.__dict__, "remote_options": None}
 
     @property
     def saved(self) -> list:
