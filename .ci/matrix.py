@@ -42,7 +42,7 @@ import tomllib
 import xml.etree.ElementTree as ET
 import zipfile
 
-from envs import CACHE, clean_venv, environment, prune_cache, sh
+from envs import CACHE, clean_venv, environment, lines, prune_cache, sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build", "matrix")
@@ -86,8 +86,7 @@ def lower_bounds():
 def pins(stack):
     "The constraints file's lines for `stack`."
     if stack == "newest":
-        with open(os.path.join(ROOT, "constraints-dev.txt")) as f:
-            return [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+        return lines("constraints-dev.txt")
     low = lower_bounds()
     return [f"{n}=={v}" for n, v in low.items()] + [f"torchvision=={TORCHVISION[low['torch']]}"]
 
