@@ -427,7 +427,7 @@ for name, path in cases:
                 err.write(traceback.format_exc())
         for w in seen:
             err.write(f"{w.category.__name__}: {w.message}\n")
-        runs[cmd[0]] = [rc, out.getvalue()[-300:], err.getvalue()[-3000:]]
+        runs[cmd[0]] = [rc, out.getvalue()[:3000], err.getvalue()[-3000:]]  # the head: verify's line begins OK/BAD, and a long path (CI's) pushed that out of a tail
         if os.path.exists(scratch):
             os.unlink(scratch)
     print("R " + json.dumps([name, loads, runs]), flush=True)
