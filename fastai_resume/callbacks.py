@@ -1,11 +1,13 @@
-"""The state of the callbacks that change what the rest of a fit computes, as plain trees, and back.
+"""The state of the callbacks that change what the rest of a fit computes or what a script reads from
+them afterwards, as plain trees, and back.
 
 Each kind of callback has a handler `(predicate, get, put)`: `get(cb)` is its state when a checkpoint
 is taken (a tree, or None), `put(cb, tree)` restores it when a resumed fit starts, after the callbacks'
 own `before_fit`. fastai's own kinds are here (`HANDLERS`: the trackers' best value and patience,
 `GradientAccumulation`'s count, `MixedPrecision`'s grad scaler, `ParamScheduler`'s record,
-`CSVLogger`'s file); experiment trackers have theirs in `trackers.HANDLERS`; a callback of the user's
-joins in by defining `resume_state(self) -> tree` and `load_resume_state(self, tree)`.
+`CSVLogger`'s file, `ActivationStats`' recorded batches); experiment trackers have theirs in
+`trackers.HANDLERS`; a callback of the user's joins in by defining `resume_state(self) -> tree` and
+`load_resume_state(self, tree)`.
 
 Only known fields of known types are ever set from a file: never a path, a name or anything that
 decides what is loaded.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from fastcore.foundation import L
 
 from . import trackers
@@ -107,14 +110,86 @@ def _continue_csv(cb, st) -> None:
     cb.file.seek(0, 2)
 
 
+_STATS_FLOATS = ("mean", "std", "near_zero")
+
+
+def _layer_entries(stats):
+    "Every layer's dict in ActivationStats' batches (a layer with several outputs has a list of them)."
+    for b in stats:
+        for m in b:
+            yield from (x for x in (m if isinstance(m, list) else [m]) if isinstance(x, dict))
+
+
+def _activation_stats(cb) -> dict | None:
+    """Every recorded batch: the floats as they are, the histograms stacked into one tensor where they
+    can be (a long fit records tens of thousands; as many small tensors they would slow every save)."""
+    if not hasattr(cb, "stats"):
+        return None
+    stats = plain(cb.stats)  # new dicts and lists: the callback's own are not changed below
+    hists = [m["hist"] for m in _layer_entries(stats) if isinstance(m.get("hist"), torch.Tensor)]
+    kinds = {(h.shape, h.dtype, h.device) for h in hists}
+    if len(hists) < 2 or len(kinds) != 1:
+        return {"stats": stats}
+    for m in _layer_entries(stats):
+        if "hist" in m:
+            m["hist"] = True  # the next row of "hists"
+    return {"stats": stats, "hists": torch.stack(hists)}
+
+
+def _module_stats(v, packed: bool):
+    "One layer's entry of a batch as `ActivationStats.hook` makes it: a dict, a list of them (several outputs), None."
+    if v is None:
+        return None
+    if isinstance(v, list):
+        return [_module_stats(x, packed) for x in v]
+    if (
+        not isinstance(v, dict)
+        or not set(_STATS_FLOATS) <= set(v) <= {*_STATS_FLOATS, "hist"}
+        or not all(isinstance(v[k], float) for k in _STATS_FLOATS)
+        or not ("hist" not in v or isinstance(v["hist"], torch.Tensor) or (packed and v["hist"] is True))
+    ):
+        raise CheckpointError(
+            "callback state ActivationStats.stats: expected each layer's entry to be a dict of mean, std, "
+            f"near_zero (floats) and hist (a tensor), got {v!r:.200}"
+        )
+    return dict(v)
+
+
+def _put_activation_stats(cb, st) -> None:
+    stats, hists = st.get("stats"), st.get("hists")
+    if not isinstance(stats, list) or not all(isinstance(b, list) for b in stats):
+        raise CheckpointError("callback state ActivationStats.stats: expected a list of batches, each a list of layers")
+    if hists is not None and not isinstance(hists, torch.Tensor):
+        raise CheckpointError(f"callback state ActivationStats.hists: {type(hists).__name__}, expected a tensor")
+    stats = L(L(_module_stats(m, hists is not None) for m in b) for b in stats)  # as fastai keeps them
+    if hists is not None:
+        packed = [m for m in _layer_entries(stats) if m.get("hist") is True]
+        if hists.dim() < 1 or len(packed) != hists.shape[0]:
+            raise CheckpointError(
+                f"callback state ActivationStats: {len(packed)} histograms in its batches, {tuple(hists.shape)} stored"
+            )
+        for m, h in zip(packed, hists):
+            m["hist"] = h
+    cb.stats = stats
+
+
 _TRACKER = (
     lambda cb: is_a(cb, "fastai.callback.tracker", "TrackerCallback"),
     _tracker,
     lambda cb, st: _typed(cb, st, _TRACKER_FIELDS),
 )
 
+# fastai's ActivationStats keeps each recorded batch's statistics in the callback (the book plots them
+# after a fit): all of them, in every checkpoint and at every stage's end.
+_ACTIVATION_STATS = (
+    lambda cb: is_a(cb, "fastai.callback.hook", "ActivationStats"),
+    _activation_stats,
+    _put_activation_stats,
+)
+
 HANDLERS: list = [
     _TRACKER,
+    _ACTIVATION_STATS,
     (
         lambda cb: is_a(cb, "fastai.callback.training", "GradientAccumulation"),
         lambda cb: {"count": getattr(cb, "count", 0)},
@@ -128,10 +203,11 @@ HANDLERS: list = [
     ),
     (lambda cb: is_a(cb, "fastai.callback.progress", "CSVLogger"), _csv, _continue_csv),
 ]
-# What callbacks keep from one fit to the next, as a stage ends: fastai's trackers' best value and patience
-# (fastai's other callbacks start every fit anew: the scheduler, the grad scaler, the accumulation count;
-# the loggers' files are closed), beside a user's callback's `resume_state`.
-BETWEEN_STAGES: list = [_TRACKER]
+# What callbacks keep from one fit to the next, as a stage ends: fastai's trackers' best value and patience,
+# and what ActivationStats recorded (read after the fit; the next fit starts it anew); fastai's other
+# callbacks start every fit anew (the scheduler, the grad scaler, the accumulation count; the loggers'
+# files are closed). Beside them, a user's callback's `resume_state`.
+BETWEEN_STAGES: list = [_TRACKER, _ACTIVATION_STATS]
 
 
 def _handler(cb, handlers):

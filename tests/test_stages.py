@@ -137,6 +137,25 @@ def test_a_five_stage_script_killed_in_any_stage_is_the_uninterrupted_run_at_eve
         assert (tmp_path / "models" / name).read_bytes() == data, name
 
 
+def test_activation_stats_read_after_each_stage_are_the_uninterrupted_runs(tmp_root, tmp_path):
+    """fastai's `ActivationStats` (the book's chapter 13: every batch's mean, std and histogram of each
+    layer's activations, plotted after a fit) keeps them in the callback, not in the Recorder. The five
+    stages with `ActivationStats(with_hist=True, every=2)`, killed in stage 2 and run again with
+    AutoCheckpoint: what the script reads after the two skipped stages (restored as they ended) and after
+    the resumed one (half of its batches recorded before the kill) is the uninterrupted run's."""
+    args = (*FIVE, "--auto", "4", "--act-stats")
+    ref = workload_reference(tmp_root, "block", *args)
+    run_workload("block", tmp_path, tmp_path / "dead.frk", "--die", "2,0,8", *args, expect=-9)
+    log = run_workload("block", tmp_path, tmp_path / "out.frk", *args)
+    res = fr.load(tmp_path / "out.frk")
+    assert log.count("restored as it ended") == 2
+    assert [p for p in ref["printed"] if p.startswith("acts-")] == [
+        p for p in res["printed"] if p.startswith("acts-")
+    ] and len([p for p in ref["printed"] if p.startswith("acts-")]) == 5
+    assert res["printed"] == ref["printed"]
+    assert_same_result(ref, res, ("model", "opt", "losses", "lrs", "values", "rng", "csv", "files"))
+
+
 def test_a_rerun_that_cannot_have_a_stages_end_state_refuses_before_it_writes(tmp_path):
     """Killed in stage 2 of a script whose only resumable save is the one at the kill (no checkpoint in the
     stages before it, so their end states were never kept), rerun with `learn.load('crash')` at the top,

@@ -79,6 +79,58 @@ def test_a_wrong_type_for_a_known_callback_field_is_refused(mid_fit):
         fit(learn, 3, 1e-2)
 
 
+def _act_stats_learner(d):
+    from fastai.callback.hook import ActivationStats
+
+    return build(d, noise=False, extra_cbs=[ActivationStats(with_hist=True, every=3)])
+
+
+def _act_stats(learn):
+    return [[{k: v for k, v in m.items()} for m in b] for b in learn.activation_stats.stats]
+
+
+@pytest.fixture(scope="module")
+def act_stats_ck(tmp_path_factory):
+    "An uninterrupted fit's ActivationStats batches, and the folder of the same fit saved at epoch 1, batch 10."
+    d = tmp_path_factory.mktemp("act-stats")
+    want = _act_stats(fit(_act_stats_learner(d), 2, 1e-2))
+    fit(_act_stats_learner(d), 2, 1e-2, cbs=StopAt(1, 10))
+    return d, want
+
+
+def test_activation_stats_resumed_mid_fit_are_the_uninterrupted_runs(act_stats_ck):
+    """fastai's ActivationStats keeps every recorded batch (floats and a histogram per layer; the checkpoint
+    stacks the histograms into one tensor): resumed mid-fit, it ends with the uninterrupted run's, bitwise."""
+    d, want = act_stats_ck
+    st = fr.load(d / "models" / "ck.frk")["train"]["callbacks"]["activation_stats"]
+    assert isinstance(st["hists"], torch.Tensor) and st["hists"].shape[0] > 10  # one tensor, not one per layer
+    learn = _act_stats_learner(d)
+    learn.load("ck")
+    assert equal(want, _act_stats(fit(learn, 2, 1e-2)))
+
+
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        (lambda st: st.update(hists=st["hists"][:-1]), "histograms in its batches"),
+        (lambda st: st.update(hists="x"), "hists: str"),
+        (lambda st: st["stats"][0][0].update(mean="0.1"), "mean, std, near_zero"),
+        (lambda st: st["stats"][0][0].update(hist=1), "mean, std, near_zero"),
+        (lambda st: st["stats"][1].append({"path": "/etc/passwd"}), "mean, std, near_zero"),
+        (lambda st: st.update(stats={"0": []}), "a list of batches"),
+    ],
+    ids=["one-histogram-short", "hists-not-a-tensor", "mean-a-str", "hist-marker-an-int", "unknown-key", "not-a-list"],
+)
+def test_activation_stats_of_another_shape_in_a_file_are_refused_as_the_fit_starts(act_stats_ck, spoil, why):
+    d, _ = act_stats_ck
+    tree = fr.load(d / "models" / "ck.frk")
+    spoil(tree["train"]["callbacks"]["activation_stats"])
+    learn = _act_stats_learner(d)
+    learn.load(resealed(d, tree, "spoiled"))
+    with pytest.raises(fr.CheckpointError, match=f"callback state ActivationStats.*{why}"):
+        fit(learn, 2, 1e-2)
+
+
 @pytest.mark.parametrize("bad", ["numpy", "dtype"])
 def test_a_model_entry_of_the_wrong_type_leaves_model_and_optimizer_untouched(mid_fit, bad):
     d, tree = mid_fit

@@ -23,6 +23,7 @@ The final model, optimizer, Recorder and the next draw of every RNG go to OUT.
 """
 
 import argparse
+import hashlib
 import os
 import random
 import signal
@@ -35,6 +36,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fastai.callback.schedule  # noqa: E402,F401
 from fastai.callback.core import Callback  # noqa: E402
+from fastai.callback.hook import ActivationStats  # noqa: E402
 from fastai.callback.progress import CSVLogger  # noqa: E402
 from fastai.data.core import DataLoaders, TfmdDL  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
@@ -315,6 +317,18 @@ def show(tag, v):
     print(f"VALUES {PRINTED[-1]}", flush=True)
 
 
+def show_acts(learn, tag):
+    "What a script reads of `ActivationStats` after a stage (the book's plots): every batch's stats, as a digest."
+    if hasattr(learn, "activation_stats"):
+        stats = learn.activation_stats.stats
+        h = hashlib.sha256(repr([[{k: v for k, v in m.items() if k != "hist"} for m in b] for b in stats]).encode())
+        for b in stats:
+            for m in b:
+                h.update(m["hist"].numpy().tobytes())
+        PRINTED.append(f"{tag} {len(stats)} batches {type(stats).__name__} {h.hexdigest()[:16]}")
+        print(f"VALUES {PRINTED[-1]}", flush=True)
+
+
 def five_stages(learn, a, fit_cbs):
     """A script of five stages that does between them what scripts do: prints the Recorder's last row and
     `validate()`, saves and loads named models, runs lr_find and fits with its suggestion, exports."""
@@ -324,11 +338,13 @@ def five_stages(learn, a, fit_cbs):
     learn.freeze_to(-1)
     learn.fit_one_cycle(1, float(sug.valley) * 10, cbs=fit_cbs())  # stage 0, at the suggestion (fastai's recipe)
     show("stage-0", learn.recorder.values[-1])
+    show_acts(learn, "acts-0")
     show("valid-0", learn.validate())
     learn.save("stage0")
     learn.freeze_to(-2)
     learn.fit_one_cycle(2, slice(1e-3, 1e-2), cbs=fit_cbs())  # stage 1
     show("stage-1", learn.recorder.values[-1])
+    show_acts(learn, "acts-1")
     learn.save("stage1")
     learn = learn.load("stage0")
     show("valid-stage0", learn.validate())
@@ -340,13 +356,16 @@ def five_stages(learn, a, fit_cbs):
     learn.unfreeze()
     learn.fit_one_cycle(1, float(sug.valley), cbs=fit_cbs())  # stage 2, at the suggested rate
     show("stage-2", learn.recorder.values[-1])
+    show_acts(learn, "acts-2")
     with learn.removed_cbs(learn.csv_logger):  # fastai cannot pickle the logger's closed file
         learn.export("stage2.pkl")
     learn.fit(1, 1e-4, cbs=fit_cbs())  # stage 3
     show("stage-3", learn.recorder.values[-1])
+    show_acts(learn, "acts-3")
     show("losses-3", learn.recorder.losses[-3:])
     learn.fine_tune(1, 1e-4, freeze_epochs=1, cbs=fit_cbs())  # stage 4: two fits
     show("stage-4", learn.recorder.values[-1])
+    show_acts(learn, "acts-4")
     show("valid-4", learn.validate())
 
 
@@ -394,6 +413,7 @@ def main(argv=None):
     ap.add_argument("--fast-forward", action="store_true")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--plant", action="store_true", help="a callback with RNG state no checkpoint holds")
+    ap.add_argument("--act-stats", action="store_true", help="fastai's ActivationStats(with_hist=True, every=2)")
     ap.add_argument("--break-order", action="store_true", help="negative control: forget the loaders' saved order")
     a = ap.parse_args(argv)
     learn = build(a)
@@ -401,6 +421,8 @@ def main(argv=None):
         learn.add_cb(Trace())
     if a.plant:
         learn.add_cb(PlantedDivergence())
+    if a.act_stats:
+        learn.add_cb(ActivationStats(with_hist=True, every=2))
     if a.save_every:
         learn.add_cb(SaveEvery(a.save_every))
     if a.auto:
