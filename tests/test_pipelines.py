@@ -4,7 +4,9 @@ end bitwise equal to its uninterrupted run (model, optimizer, Recorder, the next
 a stream that cannot be resumed exactly is refused with what to do."""
 
 import pytest
-from procs import assert_same_result, crash_and_rerun, equal, workload_reference
+from procs import assert_same_result, crash_and_rerun, equal, run_workload, workload_reference
+
+import fastai_resume as fr
 
 
 def test_language_model_on_a_shuffled_lm_dataloader_resumes_exactly_after_the_first_epoch(tmp_root, tmp_path):
@@ -87,6 +89,22 @@ def test_a_save_from_after_epoch_or_a_validation_batch_by_a_default_order_callba
     ref = workload_reference(tmp_root, "digits")  # (the model has dropout: the RNG state matters)
     res, _ = crash_and_rerun(tmp_path, "digits", "0,1,2", "--die-order", "0", "--die-event", event)
     assert_same_result(ref, res)
+
+
+@pytest.mark.parametrize("pipeline, die", [("weighted", "0,1,6"), ("partial", "0,2,5")])
+def test_weighted_and_partial_dataloaders_whose_order_numpy_draws_resume_exactly(tmp_root, tmp_path, pipeline, die):
+    """fastai's `weighted_dataloaders` (WeightedDL: each epoch's order drawn with replacement by NumPy's global
+    RNG, by weight) and `partial_dataloaders` (PartialDL: a random subset each epoch), killed mid-epoch and
+    resumed: the resumed epoch draws the same order, cut where it stopped."""
+    ref = workload_reference(tmp_root, pipeline)
+    res, log = crash_and_rerun(tmp_path, pipeline, die)
+    assert "resuming" in log
+    assert_same_result(ref, res)
+    # the control: the same resume with the RNG of the save's moment in place of the epoch's start draws
+    # another order for the resumed epoch, and the run differs
+    run_workload(pipeline, tmp_path, tmp_path / "bad.frk", "--load", "crash", "--break-epoch-rng")
+    bad = fr.load(tmp_path / "bad.frk")
+    assert not equal(ref["model"], bad["model"])
 
 
 @pytest.mark.slow

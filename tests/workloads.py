@@ -210,6 +210,20 @@ def build(a):
         dls = block.dataloaders(items, bs=32, path=a.path, device="cpu", drop_last=True)
         model, splitter, loss = mlp(), mlp_split, CrossEntropyLossFlat()
         kw["metrics"] = accuracy
+    elif a.pipeline in ("weighted", "partial"):  # fastai.callback.data's loaders: get_idxs draws from NumPy
+        import fastai.callback.data  # noqa: F401  (Datasets.weighted_dataloaders, partial_dataloaders)
+        from fastai.data.core import Datasets
+        from fastai.data.transforms import ItemGetter
+
+        n, items = 600, list(zip(xs[:600], ys[:600])) + list(zip(xs[1500:], ys[1500:]))
+        dsets = Datasets(items, tfms=[[ItemGetter(0)], [ItemGetter(1)]], splits=[range(n), range(n, len(items))])
+        kw_dl = dict(bs=32, path=a.path, device="cpu", after_batch=[RandomScale()])
+        if a.pipeline == "weighted":
+            dls = dsets.weighted_dataloaders(wgts=[1.0 + i % 3 for i in range(n)], drop_last=True, **kw_dl)
+        else:
+            dls = dsets.partial_dataloaders(partial_n=400, **kw_dl)
+        model, splitter, loss = mlp(), mlp_split, CrossEntropyLossFlat()
+        kw["metrics"] = accuracy
     elif a.pipeline in ("digits", "torch", "stream", "stream-nostate", "stream-fastai", "tfmd", "sorted"):
         n = 600
         tr, va = (xs[:n], ys[:n]), (xs[1500:], ys[1500:])
@@ -415,6 +429,9 @@ def main(argv=None):
     ap.add_argument("--plant", action="store_true", help="a callback with RNG state no checkpoint holds")
     ap.add_argument("--act-stats", action="store_true", help="fastai's ActivationStats(with_hist=True, every=2)")
     ap.add_argument("--break-order", action="store_true", help="negative control: forget the loaders' saved order")
+    ap.add_argument(
+        "--break-epoch-rng", action="store_true", help="negative control: the epoch's start RNG replaced by the save's"
+    )
     a = ap.parse_args(argv)
     learn = build(a)
     if a.trace:
@@ -438,6 +455,9 @@ def main(argv=None):
             tr["loaders_epoch"] = [
                 dict(st, order=list(range(len(st["order"])))) if "order" in st else st for st in tr["loaders_epoch"]
             ]
+        if a.break_epoch_rng:
+            tr = fastai_resume.script.script(learn).armed.train
+            tr["rng_epoch"] = tr["rng"]
     with learn.no_bar():
         recipe(learn, a)
     res = result(learn)
