@@ -726,10 +726,10 @@ class Uploader:
             if want is not None and pending:
                 print(f"AutoCheckpoint: mirroring {want.name} to {self.url} (waiting up to {self.wait:.0f} s)")
                 sys.stdout.flush()
-                self.cond.wait_for(
-                    lambda: self.lease.lost is not None or self.newest == want.name or self._deadline_passed(),
-                    timeout=self.wait,
-                )
+                over = lambda: self.lease.lost is not None or self.newest == want.name or self._deadline_passed()  # noqa: E731
+                while not over():
+                    self.cond.wait_for(over, timeout=5.0)
+                    self.say_due()  # meanwhile, what training would have said: how far behind, once a minute
             done = want is None or self.newest == want.name
         if want is not None and done:  # the process's last word on the remote, as it ends
             print(f"AutoCheckpoint: {want.name} is on {self.url}", flush=True)

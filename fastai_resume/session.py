@@ -210,9 +210,12 @@ class ResumeSession(Callback):
 
     def end_of_epochs(self):
         """Called by `Learner._do_fit` after the last epoch: a fit resumed at its very end (no epoch left to
-        resume in) gets the state it was saved with now: RNG, loaders, schedule position."""
+        resume in) gets the state it was saved with now: RNG, loaders, schedule position, the model's
+        hidden state."""
         if self.skip.after_last_epoch() and self.saved is not None:
             trainstate.restore_epoch(self.learn, self.saved, True, 0)
+            # and the tensors the model keeps between batches: no epoch starts after this one to reset them
+            state.set_module_states(self.learn.model, self.saved.get("modules") or {})
         elif self.skip.pending:
             self._restore_saved_rng()
 

@@ -221,21 +221,71 @@ def set_recorder_state(learn, st: dict) -> None:
         learn.final_record = rec.values[-1].copy()
 
 
+def _held(v) -> bool:
+    """Whether `v` is what a model may keep between batches and a checkpoint holds: a tensor with no
+    autograd history that is not a parameter (a detached hidden state), or a list or tuple of them."""
+    if isinstance(v, torch.Tensor):
+        return not isinstance(v, torch.nn.Parameter) and v.grad_fn is None and not v.requires_grad
+    return isinstance(v, (list, tuple)) and bool(v) and all(_held(x) for x in v)
+
+
+def _storage(t) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own here (a DTensor's shard)
+        return None
+
+
+def _storages(v) -> set:
+    if isinstance(v, torch.Tensor):
+        return {_storage(v)} - {None}
+    return set().union(*(_storages(x) for x in v)) if isinstance(v, (list, tuple)) else set()
+
+
+def _attrs(m, own: set) -> dict:
+    """A module's plain attributes that hold tensors between batches (the fastai book's `self.h` of its RNNs):
+    public names only (torch keeps its own as `_...`), never one that shares memory with a parameter or
+    buffer (a `.data` alias must stay one)."""
+    return {
+        k: v
+        for k, v in m.__dict__.items()
+        if not k.startswith("_") and k != "training" and _held(v) and not (_storages(v) & own)
+    }
+
+
 def module_states(model) -> dict:
-    """Tensors a model keeps between batches outside its state dict: the hidden state of recurrent
-    models that carry it across batches (fastai's `AWD_LSTM`: `hidden` and `bs`), by module name."""
-    out = {}
+    """Tensors a model keeps between batches outside its state dict, by module name: the hidden state of
+    fastai's `AWD_LSTM` (`hidden` and `bs`), and any module's plain attributes that hold detached tensors
+    (`attrs`: the recurrent models a user writes, as the fastai book's chapter 12 does)."""
+    own = {_storage(t) for t in (*model.parameters(), *model.buffers())} - {None}
+    out: dict = {}
     for name, m in model.named_modules():
         hid = m.__dict__.get("hidden")
         if isinstance(hid, list) and hid and isinstance(m.__dict__.get("bs"), int):
             out[name] = {"hidden": plain(hid), "bs": m.bs}
+        elif attrs := _attrs(m, own):
+            out[name] = {"attrs": plain(attrs)}
     return out
+
+
+def _device(m, model):
+    return next((t.device for t in (*m.parameters(), *m.buffers(), *model.parameters())), torch.device("cpu"))
 
 
 def set_module_states(model, states: dict) -> None:
     mods = dict(model.named_modules())
     for name, st in states.items():
         m = mods.get(name)
+        if "attrs" in st:
+            for k, v in st["attrs"].items():
+                if m is None or k.startswith("_") or k == "training" or k not in m.__dict__:
+                    raise CheckpointError(
+                        f"model state {name!r}.{k}: this model has no such attribute (was it built the same way?)"
+                    )
+                if isinstance(m.__dict__[k], (torch.nn.Parameter, torch.nn.Module)):
+                    raise CheckpointError(f"model state {name!r}.{k}: a parameter or module in this model")
+                setattr(m, k, _hidden_to(v, _device(m, model), name))
+            continue
         if m is None or not isinstance(m.__dict__.get("hidden"), list):
             raise CheckpointError(f"model state {name!r}: this model has no such recurrent module")
         dev = next(m.parameters()).device

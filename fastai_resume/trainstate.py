@@ -277,10 +277,27 @@ def _rank_part(v, where):
         for i, ld in enumerate(_seq(v[k], f"{where}.{k}")):
             _loader(ld, f"{where}.{k}[{i}]")
     _recorder(v.get("recorder"), f"{where}.recorder")
-    for name, m in _dict(v.get("modules", {}), f"{where}.modules").items():
-        m = _dict(m, f"{where}.modules[{name!r}]", ("hidden", "bs"))
-        _int(m["bs"], f"{where}.modules[{name!r}].bs")
-        _seq(m["hidden"], f"{where}.modules[{name!r}].hidden")
+    validate_modules(v.get("modules", {}), f"{where}.modules")
+
+
+def validate_modules(v, where) -> None:
+    "The tensors a model keeps between batches outside its state dict (`state.module_states`), by module."
+    for name, m in _dict(v, where).items():
+        at = f"{where}[{name!r}]"
+        if isinstance(m, dict) and "attrs" in m:  # a module's plain attributes: tensors, or lists of them
+            for k, x in _dict(m["attrs"], f"{at}.attrs").items():
+                _need(isinstance(k, str) and _tensors(x), f"{at}.attrs", f"{k!r}: expected tensors, got {x!r:.60}")
+            continue
+        m = _dict(m, at, ("hidden", "bs"))
+        _int(m["bs"], f"{at}.bs")
+        _seq(m["hidden"], f"{at}.hidden")
+
+
+def _tensors(v) -> bool:
+    "A tensor, or a non-empty list or tuple of them (nested)."
+    if isinstance(v, (list, tuple)):
+        return bool(v) and all(_tensors(x) for x in v)
+    return isinstance(v, torch.Tensor)
 
 
 def _script(v, where):
@@ -530,6 +547,7 @@ def end_tree(learn, st) -> dict | None:
     mine = {
         "rng": state.rng_state(),
         "loaders": [loaders.capture(dl) for dl in learn.dls.loaders],
+        "modules": state.module_states(learn.model),
         "recorder": None
         if rec is None or not hasattr(rec, "values")
         else {**state.recorder_state(rec), **recorder_numbers(rec), "log": state.plain(list(getattr(rec, "log", [])))},
@@ -569,6 +587,10 @@ def validate_end(end, path, n_params: int) -> None:
         for i, ld in enumerate(_seq_or_raise(end["loaders"], "end.loaders")):
             validate_loader(ld, f"end.loaders[{i}]")
         validate_recorder(end.get("recorder"), "end.recorder")
+        validate_modules(end.get("modules", {}), "end.modules")
+        for i, r in enumerate(end.get("ranks") or []):
+            if isinstance(r, dict):
+                validate_modules(r.get("modules", {}), f"end.ranks[{i}].modules")
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     need(isinstance(end["callbacks"], dict), "callbacks: expected a dict")
@@ -591,7 +613,8 @@ _COUNTERS = {"epoch": int, "n_epoch": int, "iter": int, "n_iter": int, "train_it
 
 def restore_end(learn, end: dict) -> None:
     """The learner as the stage ended (its model and optimizer already loaded): RNG, loaders, Recorder,
-    callbacks, gradients, the model's mode, the learner's counters."""
+    callbacks, the tensors the model keeps between batches, gradients, the model's mode, the learner's
+    counters."""
     end = rank_view(end)
     state.set_rng_state(end["rng"])
     for dl, ld in zip(learn.dls.loaders, end["loaders"]):
@@ -602,6 +625,7 @@ def restore_end(learn, end: dict) -> None:
         set_recorder_numbers(learn, rec)
         learn.recorder.log = L(rec.get("log") or [])
     callbacks.set_callback_states(learn, end["callbacks"], between_stages=True)
+    state.set_module_states(learn.model, end.get("modules") or {})
     state.set_grads(learn.model, end["grad_set"], None)
     learn.model.train(bool(end.get("training", False)))
     for k, v in end["learner"].items():

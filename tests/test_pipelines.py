@@ -91,6 +91,30 @@ def test_a_save_from_after_epoch_or_a_validation_batch_by_a_default_order_callba
     assert_same_result(ref, res)
 
 
+@pytest.mark.parametrize("pipeline", ["book-rnn3", "book-rnn7"])
+def test_the_books_recurrent_models_whose_hidden_state_is_an_attribute_resume_exactly(tmp_root, tmp_path, pipeline):
+    """The fastai book's chapter 12 language models as written there (`LMModel3`: `self.h`, an int 0 until the
+    first batch makes it a tensor; `LMModel7`: an LSTM with a list of two tensors reset in place; both with
+    `ModelResetter`, on `group_chunks`ed data in order): their hidden state lives in a plain attribute
+    between batches, outside the state dict. Killed mid-epoch and resumed: exact."""
+    ref = workload_reference(tmp_root, pipeline)
+    res, log = crash_and_rerun(tmp_path, pipeline, "0,1,9")
+    assert "resuming" in log
+    assert_same_result(ref, res)
+
+
+def test_a_hidden_state_that_goes_on_across_stages_is_restored_with_the_skipped_stage(tmp_root, tmp_path):
+    """The book's LMModel3 without `reset` and without ModelResetter: its `h` goes on from one stage to the
+    next (fastai resets a model only through its `reset`). Killed in stage 1 before its first checkpoint and run
+    again with AutoCheckpoint, the rerun passes stage 0 and starts stage 1 from the hidden state stage 0 ended
+    with (its end state holds it), as the uninterrupted run did."""
+    args = ("--recipe", "stages", "--no-resetter", "--auto", "4")
+    ref = workload_reference(tmp_root, "book-rnn3", *args)
+    res, log = crash_and_rerun(tmp_path, "book-rnn3", "1,0,2", *args, rerun=())
+    assert "AutoCheckpoint: found" in log and "e000002-i0000000000" in log  # stage 0's last: resumed at its end
+    assert_same_result(ref, res)
+
+
 @pytest.mark.parametrize("pipeline, die", [("weighted", "0,1,6"), ("partial", "0,2,5")])
 def test_weighted_and_partial_dataloaders_whose_order_numpy_draws_resume_exactly(tmp_root, tmp_path, pipeline, die):
     """fastai's `weighted_dataloaders` (WeightedDL: each epoch's order drawn with replacement by NumPy's global

@@ -38,15 +38,18 @@ import fastai.callback.schedule  # noqa: E402,F401
 from fastai.callback.core import Callback  # noqa: E402
 from fastai.callback.hook import ActivationStats  # noqa: E402
 from fastai.callback.progress import CSVLogger  # noqa: E402
+from fastai.callback.rnn import ModelResetter  # noqa: E402
 from fastai.data.core import DataLoaders, TfmdDL  # noqa: E402
 from fastai.data.load import DataLoader  # noqa: E402
 from fastai.learner import Learner  # noqa: E402
 from fastai.losses import CrossEntropyLossFlat  # noqa: E402
 from fastai.metrics import accuracy  # noqa: E402
-from fastai.torch_core import set_seed  # noqa: E402
+from fastai.torch_core import Module, set_seed, tensor, trainable_params  # noqa: E402
+from fastcore.foundation import L  # noqa: E402
 from fasttransform import Transform  # noqa: E402
 from results import learner_result  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 import fastai_resume  # noqa: E402
 import fastai_resume.script  # noqa: E402
@@ -192,6 +195,94 @@ class RandomScale(Transform):
         return b * (1 + 0.1 * torch.rand(1)) if b.is_floating_point() else b
 
 
+def words(n):
+    "`n` in English words (the book's Human Numbers dataset, which this machine cannot download)."
+    ones = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    ones = (ones + "seventeen eighteen nineteen").split()
+    tens = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+    if n < 20:
+        return [ones[n]]
+    if n < 100:
+        return [tens[n // 10]] + ([ones[n % 10]] if n % 10 else [])
+    return [ones[n // 100], "hundred"] + (words(n % 100) if n % 100 else [])
+
+
+def group_chunks(ds, bs):
+    "The book's: each batch's row i continues row i of the batch before."
+    m = len(ds) // bs
+    new_ds = L()
+    for i in range(m):
+        new_ds += L(ds[i + m * j] for j in range(bs))
+    return new_ds
+
+
+class CarriedRNN(Module):
+    "The book's chapter 12 RNN without `reset`: its hidden state `h` (the int 0 at first) goes on across fits."
+
+    def __init__(self, vocab_sz, n_hidden):
+        self.i_h = nn.Embedding(vocab_sz, n_hidden)
+        self.h_h = nn.Linear(n_hidden, n_hidden)
+        self.h_o = nn.Linear(n_hidden, vocab_sz)
+        self.h = 0
+
+    def forward(self, x):
+        for i in range(3):
+            self.h = self.h + self.i_h(x[:, i])
+            self.h = F.relu(self.h_h(self.h))
+        out = self.h_o(self.h)
+        self.h = self.h.detach()
+        return out
+
+
+class LMModel3(CarriedRNN):
+    "The book's chapter 12 RNN as written there: `reset` (fastai calls it as each fit starts) zeroes `h`."
+
+    def reset(self):
+        self.h = 0
+
+
+class LMModel7(Module):
+    "The book's chapter 12 LSTM: a list of two hidden tensors between batches, reset in place."
+
+    def __init__(self, vocab_sz, n_hidden, n_layers, p, bs):
+        self.i_h = nn.Embedding(vocab_sz, n_hidden)
+        self.rnn = nn.LSTM(n_hidden, n_hidden, n_layers, batch_first=True)
+        self.drop = nn.Dropout(p)
+        self.h_o = nn.Linear(n_hidden, vocab_sz)
+        self.h_o.weight = self.i_h.weight
+        self.h = [torch.zeros(n_layers, bs, n_hidden) for _ in range(2)]
+
+    def forward(self, x):
+        raw, h = self.rnn(self.i_h(x), self.h)
+        out = self.drop(raw)
+        self.h = [h_.detach() for h_ in h]
+        return self.h_o(out)
+
+    def reset(self):
+        for h in self.h:
+            h.zero_()
+
+
+def book_rnn(pipeline, path, carried=False):
+    tokens = [w for n in range(1, 1200) for w in [*words(n), "."]]
+    vocab = L(*tokens).unique()
+    word2idx = {w: i for i, w in enumerate(vocab)}
+    nums = L(word2idx[t] for t in tokens)
+    bs = 16
+    if pipeline == "book-rnn3":
+        seqs = L((tensor(nums[i : i + 3]), nums[i + 3]) for i in range(0, len(nums) - 4, 3))
+        model = (CarriedRNN if carried else LMModel3)(len(vocab), 32)
+    else:
+        sl = 16
+        seqs = L((tensor(nums[i : i + sl]), tensor(nums[i + 1 : i + sl + 1])) for i in range(0, len(nums) - sl - 1, sl))
+        model = LMModel7(len(vocab), 32, 2, 0.4, bs)
+    cut = int(len(seqs) * 0.8)
+    dls = DataLoaders.from_dsets(
+        group_chunks(seqs[:cut], bs), group_chunks(seqs[cut:], bs), bs=bs, drop_last=True, shuffle=False, path=path
+    )
+    return dls, model
+
+
 def build(a):
     set_seed(42)
     xs, ys = digits()
@@ -266,6 +357,11 @@ def build(a):
         cfg = dict(awd_lstm_lm_config, emb_sz=8, n_hid=16, n_layers=2)
         model, splitter, loss = get_language_model(AWD_LSTM, 60, cfg), awd_lstm_lm_split, CrossEntropyLossFlat()
         cbs += rnn_cbs()
+    elif a.pipeline in ("book-rnn3", "book-rnn7"):  # the fastai book's chapter 12, as written there
+        dls, model = book_rnn(a.pipeline, a.path, carried=a.no_resetter)
+        splitter, loss = trainable_params, CrossEntropyLossFlat()
+        kw["metrics"] = accuracy
+        cbs += [] if a.no_resetter else [ModelResetter()]
     elif a.pipeline == "vision":
         from fastai.data.block import CategoryBlock, DataBlock
         from fastai.vision.augment import RandomResizedCrop, aug_transforms
@@ -427,6 +523,9 @@ def main(argv=None):
     ap.add_argument("--fast-forward", action="store_true")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--plant", action="store_true", help="a callback with RNG state no checkpoint holds")
+    ap.add_argument(
+        "--no-resetter", action="store_true", help="book-rnn3: no ModelResetter, no reset(): h goes on across fits"
+    )
     ap.add_argument("--act-stats", action="store_true", help="fastai's ActivationStats(with_hist=True, every=2)")
     ap.add_argument("--break-order", action="store_true", help="negative control: forget the loaders' saved order")
     ap.add_argument(
