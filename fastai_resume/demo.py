@@ -164,8 +164,12 @@ def main(argv=None):
     if a.cmd == "train":
         train(a.dir, a.slow_ms)
         return 0
-    base = a.dir or tempfile.mkdtemp(prefix="fastai-resume-demo-")
-    return story(base, a.slow_ms)
+    if a.dir:
+        return story(a.dir, a.slow_ms)
+    with tempfile.TemporaryDirectory(prefix="fastai-resume-demo-") as base:
+        rc = story(base, a.slow_ms)
+    print("(its files are gone with the temporary folder: --dir DIR keeps them)")
+    return rc
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@ The remote folder of a run holds, for each checkpoint `NAME` (the local file's n
 - `NAME`: the file's bytes, uploaded in parts of `CHUNK` (multipart on object stores: memory stays bounded)
   from an open descriptor (local retention may unlink the file meanwhile), then read back and checked
   against the CRC32C of what was sent;
-- `NAME.done`: the marker, written last, one small object (a single PUT: complete or absent): JSON with
-  the size and CRC32C of `NAME` and of each stage-end file it names. A checkpoint without its marker (an
-  upload in progress, or killed) does not exist for a resume; one whose bytes do not match their marker
-  is set aside as `NAME.corrupt` (the marker renamed), as autoresume renames a corrupt local file;
+- `NAME.done`: the marker, written last, one small object (a single PUT, or on `file://` a rename: whole
+  or absent): JSON with the size and CRC32C of `NAME` and of each stage-end file it names. A checkpoint
+  without its marker (an upload in progress, or killed) does not exist for a resume; one whose bytes do
+  not match their marker is set aside as `NAME.corrupt` (the marker renamed), as autoresume renames a
+  corrupt local file;
 - `END.t<token>`: each stage-end file (`between`) a kept checkpoint names, under its token (the same
   name is written again when a stage is run again, with another token): immutable, uploaded before the
   marker that names it, deleted once no kept marker names it;
@@ -64,6 +65,28 @@ class RemoteError(OSError):
 def is_url(file) -> bool:
     "A URL (`s3://...`, `file://...`) rather than a local name or path."
     return isinstance(file, str) and _URL.match(file) is not None
+
+
+_TMP = re.compile(r"\.tmp-[0-9a-f]{12}$")  # put_whole's temporary names
+
+
+def put_whole(fs, key: str, data: bytes) -> None:
+    """A small object (a marker, the lease) written whole or not at all. An object store's PUT is that
+    already; on a file system (`file://`, a mounted network folder) a process killed mid-write would leave
+    it torn, so there it is written under a temporary name in the same folder, synced, and renamed over."""
+    if "file" not in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
+        fs.pipe_file(key, data)
+        return
+    tmp = f"{key}.tmp-{secrets.token_hex(6)}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, key)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def filesystem(url: str, options: dict | None = None):
@@ -372,7 +395,7 @@ class RemoteRun:
 
     def set_aside(self, name):
         with contextlib.suppress(Exception):
-            self.fs.pipe_file(self.key(name + CORRUPT), self.fs.cat_file(self.key(name + MARKER)))
+            put_whole(self.fs, self.key(name + CORRUPT), self.fs.cat_file(self.key(name + MARKER)))
             self.fs.rm_file(self.key(name + MARKER))
 
 
@@ -413,7 +436,7 @@ class Lease:
             "beat": self.beat,
             "renew_seconds": RENEW,
         }
-        self.fs.pipe_file(self.path, json.dumps(body).encode())
+        put_whole(self.fs, self.path, json.dumps(body).encode())
 
     def _holder(self, held) -> str:
         return f"process {held.get('pid')} on {str(held.get('machine', '?')).split(' ')[0]}"
@@ -531,7 +554,7 @@ class Publisher:
         marker = {"name": name, "size": size, "crc32c": crc, "ends": [e for e in ends if e is not None]}
         marker.update(uploaded=time.time(), machine=_machine().split(" ")[0], pid=os.getpid())
         self.lease.fence()
-        self.fs.pipe_file(key(name + MARKER), json.dumps(marker).encode())
+        put_whole(self.fs, key(name + MARKER), json.dumps(marker).encode())
         try:  # the checkpoint is complete there now: what follows tidies, and the next upload does it again
             if name + CORRUPT in ls:
                 with contextlib.suppress(FileNotFoundError):
@@ -591,7 +614,8 @@ class Publisher:
                     self.fs.rm_file(self.run.key(n))
 
     def clean(self) -> None:
-        "Data of killed uploads (no marker) and stage-end files no marker names: never a checkpoint."
+        """Data of killed uploads (no marker), stage-end files no marker names and the temporary names of a
+        killed `put_whole`: never a checkpoint."""
         ls = self.run.listing()
         named = set()
         for n in self.run.complete(ls):
@@ -604,7 +628,8 @@ class Publisher:
         for n in ls:
             orphan = self.run.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls
             m = _END_KEY.match(n)
-            if orphan or (m and n.startswith(self.run.prefix) and n not in named):
+            torn = _TMP.search(n) and n.lstrip(".").startswith(self.run.prefix[:-1])  # a killed `put_whole`'s
+            if orphan or torn or (m and n.startswith(self.run.prefix) and n not in named):
                 with contextlib.suppress(Exception):
                     self.fs.rm_file(self.run.key(n))
 

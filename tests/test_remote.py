@@ -148,8 +148,8 @@ def test_a_lost_machine_resumes_from_the_remote_and_ends_bitwise_equal(tmp_root,
     epoch, it = position(newest)
     m2 = tmp_path / "machine2"
     log = run_trainer(m2, m2 / "out.frk", *AUTO, "--remote", mirror.url, env=env)
-    assert f"AutoCheckpoint: downloaded {newest} from {mirror.url}" in log
-    assert "checksums verified" in log and f"AutoCheckpoint: found {newest}" in log
+    assert f"AutoCheckpoint: downloaded {newest} from {mirror.url}" in log, log
+    assert "checksums verified" in log and f"AutoCheckpoint: found {newest}" in log, log
     res = fr.load(m2 / "out.frk")
     assert sorted(res["seen"]) == [str(e) for e in range(epoch, 2)]  # only what was left was trained here
     assert len(res["seen"][str(epoch)]) == 1500 - it * 32  # its items but those of the batches trained before
@@ -503,3 +503,41 @@ def test_without_the_optional_packages_remote_says_in_one_line_what_to_install(m
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and last.startswith("ImportError: a remote (s3://bucket/run/) " + says), p.stderr
     assert last.endswith("pip install 'fastai-resume[remote]'")
+
+
+PUT_CHILD = r"""
+import sys, fsspec
+from fastai_resume.remote import put_whole, filesystem
+fs, root = filesystem(sys.argv[1])
+use_put = sys.argv[2] == "put_whole"
+i = 0
+print("ready", flush=True)
+while True:
+    i += 1
+    data = bytes([i % 251]) * (4 << 20)  # every version is one byte repeated: a torn one mixes two or is short
+    (put_whole(fs, root + "/m.done", data) if use_put else fs.pipe_file(root + "/m.done", data))
+"""
+
+
+@pytest.mark.parametrize("how", ["put_whole", "pipe_file"])
+def test_a_marker_on_a_mounted_folder_is_whole_or_absent_whatever_moment_its_writer_is_killed(tmp_path, how):
+    """On `file://` (a mounted network folder) a marker or lease was written in place: a process killed
+    mid-write left it torn, and the rerun had to skip that checkpoint. `put_whole` writes a temporary name
+    in the same folder and renames it over. Its writer, SIGKILLed at 20 moments, leaves a whole version
+    each time; the control (fsspec's pipe_file, the old way) leaves a torn one at some of them."""
+    folder = tmp_path / "mounted"
+    folder.mkdir()
+    torn = 0
+    for k in range(20):
+        p = subprocess.Popen([sys.executable, "-c", PUT_CHILD, folder.as_uri(), how], env=ENV, stdout=subprocess.PIPE)
+        assert p.stdout.readline() == b"ready\n"
+        time.sleep(0.05 + 0.013 * k)
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        data = (folder / "m.done").read_bytes() if (folder / "m.done").exists() else None
+        torn += data is not None and (len(data) != 4 << 20 or data.count(data[:1]) != len(data))
+    if how == "put_whole":
+        assert torn == 0  # (a kill between the write and the rename leaves the temporary name beside it)
+    else:
+        assert torn > 0  # the control: the old way tears
