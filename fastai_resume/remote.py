@@ -74,7 +74,7 @@ def put_whole(fs, key: str, data: bytes) -> None:
     """A small object (a marker, the lease) written whole or not at all. An object store's PUT is that
     already; on a file system (`file://`, a mounted network folder) a process killed mid-write would leave
     it torn, so there it is written under a temporary name in the same folder, synced, and renamed over."""
-    if "file" not in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)):
+    if not _is_local(fs):
         fs.pipe_file(key, data)
         return
     tmp = f"{key}.tmp-{secrets.token_hex(6)}"

@@ -242,15 +242,16 @@ def _storages(v) -> set:
     return set().union(*(_storages(x) for x in v)) if isinstance(v, (list, tuple)) else set()
 
 
+def _public(name: str) -> bool:
+    "An attribute a checkpoint may hold or set: not torch's own (`_...`, `training`)."
+    return not name.startswith("_") and name != "training"
+
+
 def _attrs(m, own: set) -> dict:
     """A module's plain attributes that hold tensors between batches (the fastai book's `self.h` of its RNNs):
     public names only (torch keeps its own as `_...`), never one that shares memory with a parameter or
     buffer (a `.data` alias must stay one)."""
-    return {
-        k: v
-        for k, v in m.__dict__.items()
-        if not k.startswith("_") and k != "training" and _held(v) and not (_storages(v) & own)
-    }
+    return {k: v for k, v in m.__dict__.items() if _public(k) and _held(v) and not (_storages(v) & own)}
 
 
 def module_states(model) -> dict:
@@ -278,7 +279,7 @@ def set_module_states(model, states: dict) -> None:
         m = mods.get(name)
         if "attrs" in st:
             for k, v in st["attrs"].items():
-                if m is None or k.startswith("_") or k == "training" or k not in m.__dict__:
+                if m is None or not _public(k) or k not in m.__dict__:
                     raise CheckpointError(
                         f"model state {name!r}.{k}: this model has no such attribute (was it built the same way?)"
                     )

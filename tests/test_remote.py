@@ -506,7 +506,7 @@ def test_without_the_optional_packages_remote_says_in_one_line_what_to_install(m
 
 
 PUT_CHILD = r"""
-import sys, fsspec
+import sys
 from fastai_resume.remote import put_whole, filesystem
 fs, root = filesystem(sys.argv[1])
 use_put = sys.argv[2] == "put_whole"
