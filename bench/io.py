@@ -7,16 +7,20 @@ is downloaded) plus Adam's two moment buffers. Save = serialise + write + fsync.
 read every tensor (`touch_all`: a sum over every byte of each), as training's first step would: a
 lazy (mmap-based) load pays for its pages there. Every load figure is "load + read every tensor".
 On a disk each load is timed twice: with a cold page cache (the file's pages dropped, their absence
-checked with mincore), then warm (the file in the page cache); tmpfs has no cold case (its page
-cache is the storage). Before every timed load as much memory as the file is touched and freed
+checked with mincore), then warm (the file read through the page cache just before, whichever
+contender wrote it, and the fraction resident checked); tmpfs has no cold case (its page cache is
+the storage). Before every timed load as much memory as the file is touched and freed
 (`warm_memory`: a virtual machine's host faults otherwise decide the result).
 
 Contenders: `fastai_resume.load` (verified: every blob's CRC32C checked, tensors in memory of the
 process's own), `fastai_resume.load(mmap=True)` (verified, zero copy), torch.load(mmap=True),
-safetensors' load_file, and two physical limits of a load that copies the file into memory of its
-own, both into a buffer whose pages were touched before the timer started: read() into it, and a
-copy from the page cache (the file mapped, then torch's copy_, on its threads). Prints a table,
-writes JSON (bench/results/io.json).
+safetensors' load_file (it maps the file: zero copy, nothing verified) and, where safetensors has
+it, its load into memory of its own (`backend="pread"`, nothing verified: the like of ours); and
+three physical limits of a load into memory of its own: read() into a buffer whose pages were
+touched before the timer started, a copy from the page cache into such a buffer (the file mapped,
+then torch's copy_, on its threads), and fresh memory of the file's size written once with no file
+at all (what acquiring the memory alone costs). Prints a table, writes JSON
+(bench/results/io.json).
 
     python bench/io.py [--dir DIR ...] [--rounds 5] [--small]
 """
@@ -197,6 +201,22 @@ def load_st(p):
     return load_file(p)
 
 
+def st_reads_copies() -> bool:
+    "Whether this safetensors can load into memory of its own (`backend='pread'`, safetensors 0.8)."
+    import inspect
+
+    from safetensors.torch import load_file
+
+    return "backend" in inspect.signature(load_file).parameters
+
+
+def load_st_pread(p):
+    "safetensors' load into memory of its own: every tensor read with pread (not verified)."
+    from safetensors.torch import load_file
+
+    return load_file(p, backend="pread")
+
+
 def save_raw(tree, p):
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -213,6 +233,27 @@ def touched(p):
     buf = torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
     buf.fill_(1)
     return buf
+
+
+def fresh_memory(p, _):
+    """No file: anonymous memory of the file's size, every byte written (torch's fill_, on its threads).
+    What any load into memory of the process's own pays before it copies a byte; with the read of every
+    tensor after it, the floor of such a load."""
+    return torch.empty(os.path.getsize(p), dtype=torch.uint8).fill_(0)
+
+
+def make_resident(p) -> float:
+    """Bring the file's pages into the page cache (a buffered read of it all); returns the fraction
+    resident. A "warm" load is timed on a file made so, whichever contender wrote it (this format's
+    saves bypass the page cache, so their files are never warm by themselves)."""
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        buf = bytearray(16 << 20)
+        while os.readv(fd, [buf]):
+            pass
+    finally:
+        os.close(fd)
+    return resident(p)
 
 
 def read_into(p, buf):
@@ -238,8 +279,10 @@ def copy_from_page_cache(p, buf):
 
 
 OURS, OURS_MMAP, RAW = "fastai_resume", "fastai_resume mmap=True", "raw write"
+ST, ST_PREAD, TORCH = "safetensors", "safetensors backend=pread", "torch.save/load(mmap)"
 LIMIT_READ, LIMIT_COPY = "limit: read() into touched memory", "limit: copy from the page cache"
-RIVALS = ("safetensors", "torch.save/load(mmap)", LIMIT_READ, LIMIT_COPY)
+LIMIT_FRESH = "limit: fresh memory, no file"
+RIVALS = (ST, ST_PREAD, TORCH, LIMIT_READ, LIMIT_COPY, LIMIT_FRESH)
 # (name, save, [(load name, prepare or None, load)]): each load is timed on the file its save wrote;
 # prepare(path) runs before the timer, and its result is load's second argument.
 FORMATS = [
@@ -248,9 +291,22 @@ FORMATS = [
         save_ours,
         [(OURS, None, lambda p, _: fr.load(p)), (OURS_MMAP, None, lambda p, _: fr.load(p, mmap=True))],
     ),
-    ("torch.save/load(mmap)", save_torch, [("torch.save/load(mmap)", None, lambda p, _: load_torch(p))]),
-    ("safetensors", save_st, [("safetensors", None, lambda p, _: load_st(p))]),
-    (RAW, save_raw, [(LIMIT_READ, touched, read_into), (LIMIT_COPY, touched, copy_from_page_cache)]),
+    (TORCH, save_torch, [(TORCH, None, lambda p, _: load_torch(p))]),
+    (
+        ST,
+        save_st,
+        [(ST, None, lambda p, _: load_st(p))]
+        + ([(ST_PREAD, None, lambda p, _: load_st_pread(p))] if st_reads_copies() else []),
+    ),
+    (
+        RAW,
+        save_raw,
+        [
+            (LIMIT_READ, touched, read_into),
+            (LIMIT_COPY, touched, copy_from_page_cache),
+            (LIMIT_FRESH, None, fresh_memory),
+        ],
+    ),
 ]
 
 
@@ -261,11 +317,11 @@ def can_be_cold(d) -> bool:
 
 def run_dir(tree, d, rounds):
     """Every format's save and loads in `d`, in interleaved rounds: seconds and peak memory per
-    round, and the fraction of the file that each cold load found in the page cache."""
+    round, and the fraction of the file in the page cache as each cold and each warm load began."""
     os.makedirs(d, exist_ok=True)
     caches = ("cold", "warm") if can_be_cold(d) else ("warm",)
     res: dict = {}
-    left = []
+    left, warm = [], []
     p = os.path.join(d, "ckpt")
     try:
         for r in range(rounds):
@@ -284,6 +340,8 @@ def run_dir(tree, d, rounds):
                     for cache in caches:
                         if cache == "cold":
                             left.append(drop_cache(p))
+                        else:
+                            warm.append(make_resident(p))
                         gc.collect()
                         warm_memory(os.path.getsize(p))
                         pre = prepare(p) if prepare else None
@@ -299,7 +357,7 @@ def run_dir(tree, d, rounds):
     finally:
         if os.path.exists(p):
             os.remove(p)
-    return res, caches, left
+    return res, caches, left, warm
 
 
 def paired(a, b):
@@ -325,13 +383,17 @@ def main():
     print(f"state: {nbytes / 2**30:.2f} GiB ({'ViT-B/16' if a.small else 'ViT-L/16'} + Adam)")
     places = []
     for d in dirs:
-        res, caches, left = run_dir(tree, d, a.rounds)
+        res, caches, left, warm = run_dir(tree, d, a.rounds)
         rows = {name: {k: common.stats(v) for k, v in m.items()} for name, m in res.items()}
         ratios = {
             "save_over_raw_write": paired(res[OURS]["save"], res[RAW]["save"]),
             "load": {
                 cache: {
-                    ours: {rival: paired(res[ours][f"load_{cache}"], res[rival][f"load_{cache}"]) for rival in RIVALS}
+                    ours: {
+                        rival: paired(res[ours][f"load_{cache}"], res[rival][f"load_{cache}"])
+                        for rival in RIVALS
+                        if rival in res
+                    }
                     for ours in (OURS, OURS_MMAP)
                 }
                 for cache in caches
@@ -339,8 +401,11 @@ def main():
         }
         place = {"dir": d, "disk": common.machine(d)["disk"], "caches": list(caches), "contenders": rows}
         place["ratios"] = ratios
+        if LIMIT_FRESH in res:  # acquiring memory of its own, with no file, against safetensors' whole load
+            place["floor"] = {c: paired(res[LIMIT_FRESH][f"load_{c}"], res[ST][f"load_{c}"]) for c in caches}
         if left:
             place["resident_when_cold"] = common.stats(left)
+        place["resident_when_warm"] = common.stats(warm)
         places.append(place)
         if d.startswith("/dev/shm/"):
             shutil.rmtree(d, ignore_errors=True)

@@ -231,14 +231,28 @@ def io(res) -> str:
         for cache, by in r["load"].items():
             v, m = by["fastai_resume"], by["fastai_resume mmap=True"]
             st, tm = v["safetensors"]["median"], m["safetensors"]["median"]
+            pread = v.get("safetensors backend=pread")
+            fresh = v.get("limit: fresh memory, no file")
+            floor = pl["floor"][cache] if "floor" in pl else None
             line.append(
                 f"{'Cache cold' if cache == 'cold' else 'Cache warm' if pl['caches'] != ['warm'] else 'Load'}: "
-                f"the verified load {_mm(v['safetensors'], fmt='{:.2f}x')} safetensors' and "
-                f"{_mm(v['torch.save/load(mmap)'], fmt='{:.2f}x')} torch.load(mmap)'s (target at most 1.2x "
-                f"safetensors': {'met' if st <= 1.2 else 'not met'}), "
-                f"{_mm(v['limit: read() into touched memory'], fmt='{:.2f}x')} the read() limit and "
-                f"{_mm(v['limit: copy from the page cache'], fmt='{:.2f}x')} the copy limit; "
-                f"with mmap=True {_mm(m['safetensors'], fmt='{:.2f}x')} safetensors' and "
+                f"the verified load {_mm(v['safetensors'], fmt='{:.2f}x')} safetensors' (which maps the file) "
+                + (
+                    f"and {_mm(pread, fmt='{:.2f}x')} safetensors' load into memory of its own (backend=pread), "
+                    if pread
+                    else ""
+                )
+                + f"{_mm(v['torch.save/load(mmap)'], fmt='{:.2f}x')} torch.load(mmap)'s (target at most 1.2x "
+                f"safetensors': {'met' if st <= 1.2 else 'not met'}); "
+                f"{_mm(v['limit: read() into touched memory'], fmt='{:.2f}x')} the read() limit, "
+                f"{_mm(v['limit: copy from the page cache'], fmt='{:.2f}x')} the copy limit"
+                + (f" and {_mm(fresh, fmt='{:.2f}x')} the fresh-memory limit" if fresh else "")
+                + (
+                    f" (fresh memory alone, with no file, is {_mm(floor, fmt='{:.2f}x')} safetensors' whole load)"
+                    if floor
+                    else ""
+                )
+                + f"; with mmap=True {_mm(m['safetensors'], fmt='{:.2f}x')} safetensors' and "
                 f"{_mm(m['torch.save/load(mmap)'], fmt='{:.2f}x')} torch's (target at most 1.1x safetensors': "
                 f"{'met' if tm <= 1.1 else 'not met'})."
             )
@@ -247,8 +261,78 @@ def io(res) -> str:
             line.append(
                 f"The cold loads found {100 * rc['median']:.1f}% (at most {100 * rc['max']:.1f}%) of the file in the page cache."
             )
+        if "resident_when_warm" in pl:
+            rw = pl["resident_when_warm"]
+            line.append(f"The warm loads found {100 * rw['min']:.1f}% (at least) of the file in the page cache.")
         notes.append(" ".join(line))
     return "\n".join(out + [""] + notes + ["", machine_line(res)])
+
+
+def io_summary(res) -> str:
+    "The README's table of the I/O benchmark: each load's median in each place, and the targets' ratios."
+    cols = []  # (heading, place, cache)
+    for pl in res["places"]:
+        for cache in pl["caches"]:
+            where = pl["disk"]["fs"]
+            cols.append((where if pl["caches"] == ["warm"] else f"{where}, {cache} cache", pl, cache))
+    rows = [
+        ("fastai_resume", "`fastai_resume.load`: verified, memory of its own"),
+        ("fastai_resume mmap=True", "`fastai_resume.load(mmap=True)`: verified, zero copy"),
+        ("safetensors", "safetensors `load_file`: maps the file, nothing verified"),
+        ("safetensors backend=pread", "safetensors `load_file(backend='pread')`: memory of its own, nothing verified"),
+        ("torch.save/load(mmap)", "`torch.load(mmap=True)`: maps the file, nothing verified"),
+        ("limit: fresh memory, no file", "limit: memory of its own alone, no file read"),
+    ]
+    out = [
+        f"Load + read every tensor of a {res['bytes'] / 2**30:.1f} GiB state ({res['state']} + Adam), medians:",
+        "",
+        "| | " + " | ".join(h for h, _, _ in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for key, label in rows:
+        if all(key in pl["contenders"] for _, pl, _ in cols):
+            cells = (pl["contenders"][key].get(f"load_{c}") for _, pl, c in cols)
+            out.append(f"| {label} | " + " | ".join(f"{x['median']:.2f} s" if x else "—" for x in cells) + " |")
+
+    def ratio(ours, rival, target=None):
+        cells = []
+        for _, pl, c in cols:
+            r = pl["ratios"]["load"][c][ours].get(rival)
+            if r is None:
+                return
+            m = r["median"]
+            cells.append(f"{m:.2f}x" + ("" if target is None else f" ({'met' if m <= target else 'not met'})"))
+        return " | ".join(cells)
+
+    for ours, rival, target, label in (
+        ("fastai_resume", "safetensors", 1.2, "verified load / safetensors' (target at most 1.2x)"),
+        ("fastai_resume", "torch.save/load(mmap)", None, "verified load / torch.load(mmap=True)'s"),
+        (
+            "fastai_resume",
+            "safetensors backend=pread",
+            None,
+            "verified load / safetensors' load into memory of its own",
+        ),
+        ("fastai_resume mmap=True", "safetensors", 1.1, "mmap=True / safetensors' (target at most 1.1x)"),
+    ):
+        cells = ratio(ours, rival, target)
+        if cells:
+            out.append(f"| **{label}** | {cells} |")
+    saves = "; ".join(
+        f"{pl['disk']['fs']} {pl['contenders']['fastai_resume']['save']['median']:.2f} s, "
+        f"{pl['ratios']['save_over_raw_write']['median']:.2f}x the raw write"
+        for pl in res["places"]
+    )
+    return "\n".join(
+        out
+        + [
+            "",
+            f"Save, fsynced: {saves} (target at most 1.1x). Every contender, the physical limits and the "
+            f"spread over rounds: [docs/benchmarks.md](docs/benchmarks.md).",
+            "",
+            machine_line(res),
+        ]
+    )
 
 
 def resume(res) -> str:
@@ -318,6 +402,10 @@ RENDER = {
 }
 # Benchmarks whose block is in a page of docs/ rather than in the README (which links to the page).
 PAGES = {"sharded": os.path.join(HERE, "..", "docs", "sharded.md")}
+# Summaries in the project's README.md of a benchmark whose whole table is on the benchmarks page:
+# block name -> (the benchmark whose result file it reads, its renderer).
+MAIN_README = os.path.join(HERE, "..", "README.md")
+SUMMARIES = {"io-summary": ("io", io_summary)}
 
 
 def render_file(name: str, path: str) -> str:
@@ -336,6 +424,10 @@ def publish(name: str, payload: dict, path=None) -> str:
 
 
 def render(name: str, results=RESULTS) -> str:
+    if name in SUMMARIES:
+        src, fn = SUMMARIES[name]
+        with open(os.path.join(results, f"{src}.json")) as f:
+            return fn(json.load(f)).rstrip("\n") + "\n"
     return render_file(name, os.path.join(results, f"{name}.json"))
 
 
@@ -349,16 +441,21 @@ def problems(text: str, results=RESULTS, names=None) -> list:
     missing, unknown, or not what the files give."""
     names = [n for n in RENDER if n not in PAGES] if names is None else names
     found = [m.group("name") for m in BLOCK.finditer(text)]
+    known = set(RENDER) | set(SUMMARIES)
+
+    def source(n):
+        return SUMMARIES[n][0] if n in SUMMARIES else n
+
     out = [
-        f"no block <!-- bench:{n} --> for bench/results/{n}.json"
+        f"no block <!-- bench:{n} --> for bench/results/{source(n)}.json"
         for n in names
-        if os.path.exists(os.path.join(results, f"{n}.json")) and n not in found
+        if os.path.exists(os.path.join(results, f"{source(n)}.json")) and n not in found
     ]
-    out += [f"block bench:{n} has no renderer" for n in found if n not in RENDER]
+    out += [f"block bench:{n} has no renderer" for n in found if n not in known]
     for m in BLOCK.finditer(text):
         n = m.group("name")
-        if n in RENDER and m.group("body") != render(n, results):
-            out.append(f"block bench:{n} differs from bench/results/{n}.json (run python bench/report.py)")
+        if n in known and m.group("body") != render(n, results):
+            out.append(f"block bench:{n} differs from bench/results/{source(n)}.json (run python bench/report.py)")
     return out
 
 
@@ -458,7 +555,7 @@ def main():
         print("\n".join(["not reproduced (median outside the old range):"] + no))
         print(f"{len(yes)} of {len(yes) + len(no)} figures reproduced within the old run's range")
         return
-    docs = [(a.readme, None)] + [(page, [name]) for name, page in PAGES.items()]
+    docs = [(a.readme, None)] + [(page, [name]) for name, page in PAGES.items()] + [(MAIN_README, list(SUMMARIES))]
     bad = []
     for doc, names in docs:
         with open(doc) as f:

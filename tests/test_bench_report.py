@@ -39,6 +39,23 @@ def test_a_page_of_docs_with_a_benchmark_block_matches_its_file():
             assert report.problems(f.read(), names=[name]) == []
 
 
+def test_the_projects_readme_summarises_the_io_benchmark_from_its_file_and_a_hand_edit_is_caught():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert report.problems(text, names=list(report.SUMMARIES)) == []
+    block = re.search(r"<!-- bench:io-summary -->\n(.*?)<!-- /bench:io-summary -->", text, re.S).group(1)
+    assert "target at most 1.2x" in block and "safetensors" in block and "torch.load(mmap=True)" in block
+    m = re.search(r"\| (\d+)\.(\d\d) s \|", block)
+    edited = text.replace(m.group(0), f"| {int(m.group(1)) + 1}.{m.group(2)} s |", 1)
+    assert report.problems(edited, names=list(report.SUMMARIES)) == [
+        "block bench:io-summary differs from bench/results/io.json (run python bench/report.py)"
+    ]
+    gone = re.sub(r"<!-- bench:io-summary -->\n.*?<!-- /bench:io-summary -->\n", "", text, flags=re.S)
+    assert report.problems(gone, names=list(report.SUMMARIES)) == [
+        "no block <!-- bench:io-summary --> for bench/results/io.json"
+    ]
+
+
 def test_a_figure_changed_by_hand_in_the_readme_is_reported():
     text = readme()
     m = re.search(r"<!-- bench:overhead -->\n.*?(\d+) ms", text, re.S)
