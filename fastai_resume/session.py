@@ -144,6 +144,11 @@ class ResumeSession(Callback):
                 state.print_row(self.learn, self.rows[epoch])
             return True
         self.resuming = action == _core.STEP_RESUME
+        if self.resuming and not self.first_iter and self.saved is not None:
+            # saved at an epoch boundary: the tensors the model keeps between batches are the ones it had
+            # there, before any callback's before_epoch (ModelResetter's before_train resets them after, as
+            # it did in the uninterrupted run; a model carrying them on from its validation keeps them)
+            state.set_module_states(self.learn.model, self.saved.get("modules") or {})
         return False
 
     def before_train(self):

@@ -136,3 +136,14 @@ def test_tfmd_dl_with_a_random_after_batch_transform(tmp_root, tmp_path):
     ref = workload_reference(tmp_root, "tfmd")
     res, _ = crash_and_rerun(tmp_path, "tfmd", "0,1,5")
     assert_same_result(ref, res)
+
+
+@pytest.mark.parametrize("die", ["0,0,0", "0,1,0"])
+def test_a_hidden_state_carried_across_epochs_is_restored_at_an_epoch_boundary(tmp_root, tmp_path, die):
+    """The book's LMModel3 without `reset` and without ModelResetter: its `h` goes on from one epoch into the
+    next (through validation). Saved at an epoch's end and resumed at the next one's start: that epoch starts
+    from the hidden state the uninterrupted run had there."""
+    ref = workload_reference(tmp_root, "book-rnn3", "--no-resetter")
+    res, log = crash_and_rerun(tmp_path, "book-rnn3", die, "--no-resetter", "--die-event", "after_epoch")
+    assert "resuming" in log
+    assert_same_result(ref, res)
