@@ -5,11 +5,14 @@ contender, in interleaved rounds (medians with min-max; every ratio is paired by
 State: torchvision's ViT-L/16 (about 1.1 GiB of float32 parameters, randomly initialised: nothing
 is downloaded) plus Adam's two moment buffers. Save = serialise + write + fsync. Load = open, then
 read every tensor (`touch_all`: a sum over every byte of each), as training's first step would: a
-lazy (mmap-based) load pays for its pages there. Every load figure is "load + read every tensor".
-On a disk each load is timed twice: with a cold page cache (the file's pages dropped, their absence
+lazy (mmap-based) load pays for its pages there. Most load figures are "load + read every
+tensor"; the "write" ones are "load + write every tensor once, in place" (`write_all`), as a
+resumed training step does to the state it loaded (Adam updates its moments and the parameters in
+place): a load that maps the file pays there for a private copy of each page (copy-on-write).
+On a disk each load is timed with a cold page cache (the file's pages dropped, their absence
 checked with mincore), then warm (the file read through the page cache just before, whichever
-contender wrote it, and the fraction resident checked); tmpfs has no cold case (its page cache is
-the storage). Before every timed load as much memory as the file is touched and freed
+contender wrote it, and the fraction resident checked), then warm again for the write; tmpfs has
+no cold case (its page cache is the storage). Before every timed load as much memory as the file is touched and freed
 (`warm_memory`: a virtual machine's host faults otherwise decide the result).
 
 Contenders: `fastai_resume.load` (verified: every blob's CRC32C checked, tensors in memory of the
@@ -173,6 +176,22 @@ def touch_all(tree):
     return n
 
 
+def write_all(tree):
+    """Write every byte of every tensor once, in place (a uint8 view's `add_(0)`, on torch's threads), as a
+    resumed training step does to the state it loaded: the optimizer updates its moments and the parameters
+    in place. A load that maps the file pays for a private copy of each page there (copy-on-write)."""
+    stack = [tree]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.numel():
+                v.detach().view(-1).view(torch.uint8).add_(0)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
 def save_ours(tree, p):
     fr.save(tree, p)
 
@@ -320,6 +339,7 @@ def run_dir(tree, d, rounds):
     round, and the fraction of the file in the page cache as each cold and each warm load began."""
     os.makedirs(d, exist_ok=True)
     caches = ("cold", "warm") if can_be_cold(d) else ("warm",)
+    kinds = caches + ("write",)  # "write": warm, then every tensor written once instead of read
     res: dict = {}
     left, warm = [], []
     p = os.path.join(d, "ckpt")
@@ -337,7 +357,7 @@ def run_dir(tree, d, rounds):
                 res[name].setdefault("peak_extra", []).append(pk.extra)
                 line = f"save {ts:5.2f}s"
                 for lname, prepare, load in loads:
-                    for cache in caches:
+                    for cache in kinds:
                         if cache == "cold":
                             left.append(drop_cache(p))
                         else:
@@ -347,7 +367,7 @@ def run_dir(tree, d, rounds):
                         pre = prepare(p) if prepare else None
                         t0 = time.perf_counter()
                         loaded = load(p, pre)
-                        touch_all(loaded)
+                        (write_all if cache == "write" else touch_all)(loaded)
                         tl = time.perf_counter() - t0
                         del loaded, pre
                         res.setdefault(lname, {}).setdefault(f"load_{cache}", []).append(tl)
@@ -357,7 +377,7 @@ def run_dir(tree, d, rounds):
     finally:
         if os.path.exists(p):
             os.remove(p)
-    return res, caches, left, warm
+    return res, kinds, left, warm
 
 
 def paired(a, b):
@@ -399,10 +419,11 @@ def main():
                 for cache in caches
             },
         }
-        place = {"dir": d, "disk": common.machine(d)["disk"], "caches": list(caches), "contenders": rows}
+        reads = [c for c in caches if c != "write"]  # the caches of the loads followed by a read
+        place = {"dir": d, "disk": common.machine(d)["disk"], "caches": reads, "contenders": rows}
         place["ratios"] = ratios
         if LIMIT_FRESH in res:  # acquiring memory of its own, with no file, against safetensors' whole load
-            place["floor"] = {c: paired(res[LIMIT_FRESH][f"load_{c}"], res[ST][f"load_{c}"]) for c in caches}
+            place["floor"] = {c: paired(res[LIMIT_FRESH][f"load_{c}"], res[ST][f"load_{c}"]) for c in reads}
         if left:
             place["resident_when_cold"] = common.stats(left)
         place["resident_when_warm"] = common.stats(warm)

@@ -283,7 +283,10 @@ def load(path: PathLike, verify: bool = True, mmap: bool = False) -> Any:
     of the mapping: no copy, and pages are read only when touched. Caveat: the views still read the
     file's inode, so truncating or rewriting that file in place while they live (`cp` or `truncate`
     over it; an atomic replace such as `save` is safe) makes the process fault (SIGBUS) or see the
-    new bytes. Use it only for files nothing else writes.
+    new bytes. Use it only for files nothing else writes, and for tensors that are read (a model to
+    evaluate, or to copy into a model's parameters): each page a tensor writes is copied then, a
+    page fault at a time, which for a state updated in place (an optimizer's) costs several times
+    the default load's copy.
 
     `verify=False` skips the blobs' checksums (never the index's). Any defect raises
     `CheckpointError`; no code from the file is ever run.
