@@ -4,11 +4,11 @@ contender, in interleaved rounds (medians with min-max; every ratio is paired by
 
 State: torchvision's ViT-L/16 (about 1.1 GiB of float32 parameters, randomly initialised: nothing
 is downloaded) plus Adam's two moment buffers. Save = serialise + write + fsync. Load = open, then
-read every tensor (`touch_all`: a sum over every byte of each), as training's first step would: a
-lazy (mmap-based) load pays for its pages there. Most load figures are "load + read every
-tensor"; the "write" ones are "load + write every tensor once, in place" (`write_all`), as a
-resumed training step does to the state it loaded (Adam updates its moments and the parameters in
-place): a load that maps the file pays there for a private copy of each page (copy-on-write).
+read every tensor (`touch_all`: the max over every byte of each): a lazy (mmap-based) load pays
+for its pages there. The "write" figures are load, then every tensor written once in place
+(`write_all`), as a resumed training step does to the state it loaded (Adam updates its moments
+and the parameters in place): a load that maps the file pays there for a private copy of each
+page (copy-on-write).
 On a disk each load is timed with a cold page cache (the file's pages dropped, their absence
 checked with mincore), then warm (the file read through the page cache just before, whichever
 contender wrote it, and the fraction resident checked), then warm again for the write; tmpfs has
