@@ -403,7 +403,7 @@ def main():
     print(f"state: {nbytes / 2**30:.2f} GiB ({'ViT-B/16' if a.small else 'ViT-L/16'} + Adam)")
     places = []
     for d in dirs:
-        res, caches, left, warm = run_dir(tree, d, a.rounds)
+        res, kinds, left, warm = run_dir(tree, d, a.rounds)
         rows = {name: {k: common.stats(v) for k, v in m.items()} for name, m in res.items()}
         ratios = {
             "save_over_raw_write": paired(res[OURS]["save"], res[RAW]["save"]),
@@ -416,10 +416,10 @@ def main():
                     }
                     for ours in (OURS, OURS_MMAP)
                 }
-                for cache in caches
+                for cache in kinds
             },
         }
-        reads = [c for c in caches if c != "write"]  # the caches of the loads followed by a read
+        reads = [c for c in kinds if c != "write"]  # the caches of the loads followed by a read
         place = {"dir": d, "disk": common.machine(d)["disk"], "caches": reads, "contenders": rows}
         place["ratios"] = ratios
         if LIMIT_FRESH in res:  # acquiring memory of its own, with no file, against safetensors' whole load

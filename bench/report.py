@@ -424,11 +424,16 @@ MAIN_README = os.path.join(HERE, "..", "README.md")
 SUMMARIES = {"io-summary": ("io", io_summary)}
 
 
+def _source(name: str) -> str:
+    "The benchmark whose result file block `name` shows (a summary's, or its own)."
+    return SUMMARIES[name][0] if name in SUMMARIES else name
+
+
 def render_file(name: str, path: str) -> str:
-    "Benchmark `name`'s figures as Markdown, from its JSON file at `path`."
+    "Block `name`'s figures as Markdown, from its benchmark's JSON file at `path`."
     with open(path) as f:
         res = json.load(f)
-    return RENDER[name](res).rstrip("\n") + "\n"
+    return (SUMMARIES[name][1] if name in SUMMARIES else RENDER[name])(res).rstrip("\n") + "\n"
 
 
 def publish(name: str, payload: dict, path=None) -> str:
@@ -440,11 +445,7 @@ def publish(name: str, payload: dict, path=None) -> str:
 
 
 def render(name: str, results=RESULTS) -> str:
-    if name in SUMMARIES:
-        src, fn = SUMMARIES[name]
-        with open(os.path.join(results, f"{src}.json")) as f:
-            return fn(json.load(f)).rstrip("\n") + "\n"
-    return render_file(name, os.path.join(results, f"{name}.json"))
+    return render_file(name, os.path.join(results, f"{_source(name)}.json"))
 
 
 def rewrite(text: str, results=RESULTS) -> str:
@@ -458,20 +459,16 @@ def problems(text: str, results=RESULTS, names=None) -> list:
     names = [n for n in RENDER if n not in PAGES] if names is None else names
     found = [m.group("name") for m in BLOCK.finditer(text)]
     known = set(RENDER) | set(SUMMARIES)
-
-    def source(n):
-        return SUMMARIES[n][0] if n in SUMMARIES else n
-
     out = [
-        f"no block <!-- bench:{n} --> for bench/results/{source(n)}.json"
+        f"no block <!-- bench:{n} --> for bench/results/{_source(n)}.json"
         for n in names
-        if os.path.exists(os.path.join(results, f"{source(n)}.json")) and n not in found
+        if os.path.exists(os.path.join(results, f"{_source(n)}.json")) and n not in found
     ]
     out += [f"block bench:{n} has no renderer" for n in found if n not in known]
     for m in BLOCK.finditer(text):
         n = m.group("name")
         if n in known and m.group("body") != render(n, results):
-            out.append(f"block bench:{n} differs from bench/results/{source(n)}.json (run python bench/report.py)")
+            out.append(f"block bench:{n} differs from bench/results/{_source(n)}.json (run python bench/report.py)")
     return out
 
 

@@ -148,7 +148,7 @@ class ResumeSession(Callback):
             # saved at an epoch boundary: the tensors the model keeps between batches are the ones it had
             # there, before any callback's before_epoch (ModelResetter's before_train resets them after, as
             # it did in the uninterrupted run; a model carrying them on from its validation keeps them)
-            state.set_module_states(self.learn.model, self.saved.get("modules") or {})
+            self._restore_saved_modules()
         return False
 
     def before_train(self):
@@ -194,6 +194,10 @@ class ResumeSession(Callback):
         )
         self.fast_forwarding = k if how == "fast-forward" else 0
 
+    def _restore_saved_modules(self):
+        "The tensors the model kept between batches when the checkpoint was saved (its hidden state)."
+        state.set_module_states(self.learn.model, self.saved.get("modules") or {})
+
     def _restore_saved_rng(self):
         if self.skip.take_rng() and self.saved is not None:
             state.set_rng_state(trainstate.saved_rng(self.saved))
@@ -220,7 +224,7 @@ class ResumeSession(Callback):
         if self.skip.after_last_epoch() and self.saved is not None:
             trainstate.restore_epoch(self.learn, self.saved, True, 0)
             # and the tensors the model keeps between batches: no epoch starts after this one to reset them
-            state.set_module_states(self.learn.model, self.saved.get("modules") or {})
+            self._restore_saved_modules()
         elif self.skip.pending:
             self._restore_saved_rng()
 

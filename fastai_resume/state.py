@@ -27,6 +27,7 @@ __all__ = [
     "set_recorder_state",
     "module_states",
     "set_module_states",
+    "held",
     "RecorderLosses",
     "set_grads",
     "opt_state_for",
@@ -221,12 +222,12 @@ def set_recorder_state(learn, st: dict) -> None:
         learn.final_record = rec.values[-1].copy()
 
 
-def _held(v) -> bool:
+def held(v) -> bool:
     """Whether `v` is what a model may keep between batches and a checkpoint holds: a tensor with no
     autograd history that is not a parameter (a detached hidden state), or a list or tuple of them."""
     if isinstance(v, torch.Tensor):
         return not isinstance(v, torch.nn.Parameter) and v.grad_fn is None and not v.requires_grad
-    return isinstance(v, (list, tuple)) and bool(v) and all(_held(x) for x in v)
+    return isinstance(v, (list, tuple)) and bool(v) and all(held(x) for x in v)
 
 
 def _storage(t) -> int | None:
@@ -251,7 +252,7 @@ def _attrs(m, own: set) -> dict:
     """A module's plain attributes that hold tensors between batches (the fastai book's `self.h` of its RNNs):
     public names only (torch keeps its own as `_...`), never one that shares memory with a parameter or
     buffer (a `.data` alias must stay one)."""
-    return {k: v for k, v in m.__dict__.items() if _public(k) and _held(v) and not (_storages(v) & own)}
+    return {k: v for k, v in m.__dict__.items() if _public(k) and held(v) and not (_storages(v) & own)}
 
 
 def module_states(model) -> dict:

@@ -286,18 +286,11 @@ def validate_modules(v, where) -> None:
         at = f"{where}[{name!r}]"
         if isinstance(m, dict) and "attrs" in m:  # a module's plain attributes: tensors, or lists of them
             for k, x in _dict(m["attrs"], f"{at}.attrs").items():
-                _need(isinstance(k, str) and _tensors(x), f"{at}.attrs", f"{k!r}: expected tensors, got {x!r:.60}")
+                _need(isinstance(k, str) and state.held(x), f"{at}.attrs", f"{k!r}: expected tensors, got {x!r:.60}")
             continue
         m = _dict(m, at, ("hidden", "bs"))
         _int(m["bs"], f"{at}.bs")
         _seq(m["hidden"], f"{at}.hidden")
-
-
-def _tensors(v) -> bool:
-    "A tensor, or a non-empty list or tuple of them (nested)."
-    if isinstance(v, (list, tuple)):
-        return bool(v) and all(_tensors(x) for x in v)
-    return isinstance(v, torch.Tensor)
 
 
 def _script(v, where):
