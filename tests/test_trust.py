@@ -158,6 +158,9 @@ def test_a_model_entry_of_the_wrong_type_leaves_model_and_optimizer_untouched(mi
         (("stages",), [], "train.stages"),
         (("grad_set",), [1, 0], "train.grad_set"),
         (("grad_set",), [True], "train.grad_set has 1 entries"),
+        (("modules",), {"": {"attrs": {"h": "x"}}}, r"train.modules\[''\].attrs: 'h': expected tensors"),
+        (("modules",), {"": {"attrs": {"h": [torch.zeros(2), 3]}}}, r"train.modules\[''\].attrs: 'h'"),
+        (("modules",), {"": {"attrs": {"h": []}}}, r"train.modules\[''\].attrs: 'h'"),
     ],
 )
 def test_a_malformed_training_state_is_refused_at_load_naming_the_field(mid_fit, where, value, field):
@@ -170,6 +173,19 @@ def test_a_malformed_training_state_is_refused_at_load_naming_the_field(mid_fit,
     with pytest.raises(fr.CheckpointError, match=f"malformed training state: {field}"):
         learn.load(resealed(d, tree, "malformed"))
     assert fr.script.script(learn).armed is None
+
+
+@pytest.mark.parametrize("attr", ["h", "_private", "training", "0"])
+def test_a_hidden_state_naming_what_the_model_lacks_or_must_not_be_set_is_refused_as_the_fit_starts(mid_fit, attr):
+    """A file's hidden-state attributes (`state.module_states`' `attrs`) are set on the model only where it has
+    a public attribute of that name (torch keeps its own, a child module's included, apart): any other name is
+    refused."""
+    d, tree = mid_fit
+    tree["train"]["modules"] = {"": {"attrs": {attr: torch.zeros(2)}}}
+    learn = build(d, noise=False)
+    learn.load(resealed(d, tree, "hostile"))
+    with pytest.raises(fr.CheckpointError, match=rf"model state ''.{attr}: "):
+        fit(learn, 3, 1e-2)
 
 
 def _mutations(tree, rng, n):
