@@ -9,6 +9,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include <stdlib.h>
 #include <string.h>
 
 #define POLY 0x82F63B78u
@@ -383,4 +384,72 @@ uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len)
     uint32_t head = copy_crc_one(dst, src, half);
     pthread_join(t, NULL);
     return frk_crc32c_combine(head, tail.crc, tail.len);
+}
+
+/* ---- many buffers at once ----------------------------------------------------------------- */
+
+#define MANY_PIECE ((size_t)1 << 20) /* the unit of work a thread takes: small enough to balance */
+#define MANY_THREADS_MAX 8
+
+typedef struct {
+    const void *const *data;
+    const size_t *len;
+    size_t n;
+    const size_t *first; /* first[i]: the index of buffer i's first piece; first[n]: the count */
+    uint32_t *piece_crc;
+    atomic_size_t next; /* the next piece to take */
+} many_job;
+
+static void *many_worker(void *arg)
+{
+    many_job *j = arg;
+    size_t b = 0; /* pieces are taken in order, so the buffer a piece is in only moves forward */
+    for (;;) {
+        size_t k = atomic_fetch_add(&j->next, 1);
+        if (k >= j->first[j->n])
+            return NULL;
+        while (j->first[b + 1] <= k)
+            b++;
+        size_t off = (k - j->first[b]) * MANY_PIECE;
+        size_t left = j->len[b] - off;
+        j->piece_crc[k] = frk_crc32c(0, (const uint8_t *)j->data[b] + off, left < MANY_PIECE ? left : MANY_PIECE);
+    }
+}
+
+int frk_crc32c_many(size_t n, const void *const *data, const size_t *len, uint32_t *out, int threads)
+{
+    size_t *first = malloc((n + 1) * sizeof *first);
+    if (!first)
+        return FRK_ENOMEM;
+    first[0] = 0;
+    for (size_t i = 0; i < n; i++) /* an empty buffer has no piece; its CRC is 0 */
+        first[i + 1] = first[i] + len[i] / MANY_PIECE + (len[i] % MANY_PIECE != 0);
+    uint32_t *piece_crc = malloc((first[n] ? first[n] : 1) * sizeof *piece_crc);
+    if (!piece_crc) {
+        free(first);
+        return FRK_ENOMEM;
+    }
+    many_job j = {data, len, n, first, piece_crc, 0};
+    if (threads > MANY_THREADS_MAX)
+        threads = MANY_THREADS_MAX;
+    if ((size_t)threads > first[n])
+        threads = (int)first[n];
+    pthread_t tids[MANY_THREADS_MAX];
+    int started = 0;
+    while (started < threads - 1 && !pthread_create(&tids[started], NULL, many_worker, &j))
+        started++;
+    many_worker(&j); /* this thread works too; with no thread to be had, it does it all */
+    for (int t = 0; t < started; t++)
+        pthread_join(tids[t], NULL);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t crc = 0;
+        for (size_t k = first[i]; k < first[i + 1]; k++) {
+            size_t piece = k + 1 < first[i + 1] ? MANY_PIECE : len[i] - (k - first[i]) * MANY_PIECE;
+            crc = k == first[i] ? piece_crc[k] : frk_crc32c_combine(crc, piece_crc[k], piece);
+        }
+        out[i] = crc;
+    }
+    free(piece_crc);
+    free(first);
+    return FRK_OK;
 }

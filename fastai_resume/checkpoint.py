@@ -1,12 +1,15 @@
 """The checkpoint a Learner saves: its tree, its commit, its read and its load into the learner.
 
     {"fastai_resume": STATE_VERSION,
-     "model": state dict, "opt": optimizer state dict (with_opt),
+     "model": state dict (of a model fine-tuned with frozen parameters: what training can change),
+     "frozen": fingerprints of the frozen parameters left out of "model" (`frozen`; absent when none),
+     "opt": optimizer state dict (with_opt),
      "train": None (saved outside a fit) | the training state (`trainstate`),
      "end": the state a stage ended with (a stage's end file only, `between`)}
 
 Loading validates the whole tree before anything is changed: the model's keys, types, dtypes and
-shapes against the learner's, the optimizer state's shape, and every field of the training state
+shapes against the learner's, the frozen tensors it references against the learner's by fingerprint,
+the optimizer state's shape, and every field of the training state
 (`trainstate.validate`), so a wrong or hostile file gets a `CheckpointError` naming the field, never a
 half-loaded learner or an error later in `fit`.
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import dist, io, trainstate
+from . import dist, frozen, io, trainstate
 from .io import CheckpointError
 from .script import session_of
 from .state import opt_state_for, plain
@@ -39,17 +42,21 @@ __all__ = [
 STATE_VERSION = trainstate.VERSION
 
 
-def model_tree(learn, with_opt: bool) -> dict:
+def model_tree(learn, with_opt: bool, full: bool = False) -> dict:
+    """The model (what training can change, the frozen rest by fingerprint unless `full`) and the optimizer."""
     from fastai.torch_core import get_model
 
-    tree = {"fastai_resume": STATE_VERSION, "model": plain(get_model(learn.model).state_dict())}
+    held, refs = frozen.split(learn, get_model(learn.model).state_dict(), full)
+    tree = {"fastai_resume": STATE_VERSION, "model": plain(held)}
+    if refs:
+        tree["frozen"] = refs
     opt = getattr(learn, "opt", None)
     if with_opt and opt is not None:
         tree["opt"] = plain(opt.state_dict())
     return tree
 
 
-def build_tree(learn, with_opt=True, with_iter=False) -> dict | None:
+def build_tree(learn, with_opt=True, with_iter=False, full=False) -> dict | None:
     """What a save stores: the model, the optimizer and, `with_iter`, the training position and state.
     Under torch.distributed, `with_iter` is collective (every rank's RNG, loader and Recorder state go
     to rank 0) and ranks other than 0 get None: they have nothing to write. A sharded model's ranks each
@@ -62,7 +69,7 @@ def build_tree(learn, with_opt=True, with_iter=False) -> dict | None:
         train = trainstate.capture(s) if s is not None else None
     if dist.rank() != 0 and not dist.sharded(learn.model):
         return None
-    tree = model_tree(learn, with_opt)
+    tree = model_tree(learn, with_opt, full)
     if with_iter:
         tree["train"] = train
     return tree
@@ -168,6 +175,7 @@ def check(tree, path) -> None:
             f"{path}: written by a newer fastai_resume (schema {v}; this one reads up to "
             f"{STATE_VERSION}): upgrade fastai_resume to load it"
         )
+    frozen.validate(tree, path)
     if "opt" in tree and not isinstance(tree["opt"], dict):
         raise CheckpointError(f"{path}: 'opt' is a {type(tree['opt']).__name__}, expected a dict")
     train = tree.get("train")
@@ -184,14 +192,16 @@ def check(tree, path) -> None:
             raise CheckpointError(f"{path}: {e}") from None
 
 
-def load_tree(learn, path, tree, device, with_opt, strict):
-    "Model and optimizer from a validated tree; nothing is changed unless everything fits."
+def load_tree(learn, path, tree, device, with_opt, strict) -> dict | None:
+    """Model and optimizer from a validated tree; nothing is changed unless everything fits. Returns what
+    `frozen.recheck` needs at a resumed fit's start (None for a self-contained tree)."""
     from fastai.torch_core import get_model, to_device
 
     model = get_model(learn.model)
-    bad = model_mismatch(model.state_dict(), tree["model"], strict)
-    if bad:
-        raise CheckpointError(f"{path} does not fit this learner's model: {bad}")
+    if frozen.is_delta(tree):
+        frozen.base(learn)  # (the learner as the script built it: the first sight of it may be this load)
+    model_mismatch_or_raise(model, tree, path, strict)
+    checked = frozen.check(model, tree, path)
     bad = strict and trainstate.grads_mismatch(tree.get("train") or {}, len(list(learn.model.parameters())))
     if bad:  # (strict=False: checked when a resume restores them)
         raise CheckpointError(f"{path}: malformed training state: {bad}")
@@ -210,12 +220,20 @@ def load_tree(learn, path, tree, device, with_opt, strict):
                 f"{path}: its optimizer state does not fit this learner's optimizer "
                 f"(different parameter groups?): {e!r}"
             ) from None
-    try:
-        model.load_state_dict(tree["model"], strict=strict)
+    try:  # (the frozen tensors a delta tree references are the learner's already: checked above)
+        model.load_state_dict(tree["model"], strict=strict and not frozen.is_delta(tree))
     except RuntimeError as e:  # checked above; kept for what torch checks beyond keys, dtypes and shapes
         if prev_opt is not None:
             learn.opt.load_state_dict(prev_opt)
         raise CheckpointError(f"{path} does not fit this learner's model: {e}") from None
+    return None if checked is None else {**checked, "seen": frozen.versions(model.state_dict(), checked["refs"])}
+
+
+def model_mismatch_or_raise(model, tree, path, strict) -> None:
+    "Raise `CheckpointError` when the tree's model (held tensors and referenced ones) does not fit `model`."
+    bad = model_mismatch(model.state_dict(), {**tree["model"], **frozen.stand_ins(tree.get("frozen") or {})}, strict)
+    if bad:
+        raise CheckpointError(f"{path} does not fit this learner's model: {bad}")
 
 
 def model_mismatch(current: dict, saved: dict, strict: bool) -> str:

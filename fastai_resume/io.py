@@ -17,7 +17,7 @@ import torch
 from . import _core
 from ._core import CheckpointError
 
-__all__ = ["save", "load", "CheckpointError", "DiskFullError", "is_checkpoint", "EXT", "info"]
+__all__ = ["save", "load", "CheckpointError", "DiskFullError", "is_checkpoint", "EXT", "info", "crc32c_many"]
 
 EXT = ".frk"  # the file extension of this format (a plain torch.load user never meets it)
 
@@ -79,6 +79,11 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 def storage_bytes(st: Any) -> np.ndarray:
     "A torch storage's bytes as a flat uint8 NumPy array over the same memory (CPU storages)."
     return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
+
+
+def crc32c_many(buffers: list, threads: int) -> list:
+    "The CRC32C of each buffer, on `threads` threads, the GIL released (`frozen`'s fingerprints)."
+    return _core.crc32c_many(buffers, threads)
 
 
 class _Encoder:

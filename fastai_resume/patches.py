@@ -31,7 +31,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import between, checkpoint, dist, io, paths, remote, sharded, state
+from . import between, checkpoint, dist, frozen, io, paths, remote, sharded, state
 from ._hooks import imported
 from .compat import check_fastai_version
 from .fastai_classes import fastai_class, is_a
@@ -101,10 +101,13 @@ def all_batches(self: Learner):
 
 @patch
 @delegates(save_model)
-def save(self: Learner, file, with_iter=False, **kwargs):
+def save(self: Learner, file, with_iter=False, full=False, **kwargs):
     """Save model and optimizer state (if `with_opt`) to `self.path/self.model_dir/file`.
     `with_iter=True` also saves the exact training position and everything needed to continue
-    from it (fastai_resume format, extension `.frk`, written atomically); callable from a callback mid-fit."""
+    from it (fastai_resume format, extension `.frk`, written atomically); callable from a callback mid-fit.
+    Such a file holds what training can change, the frozen parameters by fingerprint (checked against the
+    learner on load); `full=True` holds every tensor."""
+    frozen.base(self)  # the first sight of the learner may be this save (lr_find's, before it trains)
     with_opt = kwargs.pop("with_opt", True)
     if with_iter and not with_opt:
         raise ValueError("save(with_iter=True) needs the optimizer state: drop with_opt=False")
@@ -131,7 +134,7 @@ def save(self: Learner, file, with_iter=False, **kwargs):
         sc.stage.saved_in(path.parent, path.name[: -len(io.EXT)])
     if rank_distrib() and not dist.active():
         return  # only rank 0 writes, as fastai does
-    build = lambda: checkpoint.build_tree(self, with_opt, with_iter)  # noqa: E731
+    build = lambda: checkpoint.build_tree(self, with_opt, with_iter, full)  # noqa: E731
     sharded.commit_checkpoint(build, path, self.model)  # under DDP, and a sharded model: collective
     return path
 
@@ -160,7 +163,7 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
     if learn.opt is None:
         learn.create_opt()
     tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
-    checkpoint.load_tree(learn, path, tree, device, with_opt, strict)
+    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict)
     train = tree.get("train")
     if inside:
         return learn
@@ -173,6 +176,7 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
         sc.armed = Armed(
             train, path, checkpoint.cloned(tree.get("opt")), fast_forward, tree["model"] if ahead else None
         )
+        sc.armed.frozen = checked
     else:
         _between_load(
             learn, file, path, "loads " + ("without resuming" if train is not None else "a file saved outside a fit")
@@ -210,6 +214,7 @@ def load(self: Learner, file, device=None, resume=True, fast_forward=False, **kw
     by the file's magic bytes, never its name; vanilla fastai files load as fastai loads them.
     `fast_forward=True`: a stream without state_dict/load_state_dict is resumed by reading and
     discarding the batches trained before the save."""
+    frozen.base(self)  # before anything this load brings in
     path, ours = _found_checkpoint(self, file)
     if not ours:
         return _load_theirs(self, file, path, lambda f: self._orig_load(f, device=device, **kwargs))
@@ -241,6 +246,7 @@ def fit(
     script continues at the saved epoch and iteration. `start_epoch` / `start_iter` override the saved
     position; `resume=False` ignores it."""
     sc = script(self)
+    frozen.base(self)  # before the first fit trains anything
     if sc.fit_depth or _is_lr_find(cbs):  # a fit inside a fit, or lr_find: fastai's own, no stage
 
         def run():

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastai.callback.core import Callback
+from fastai.torch_core import get_model
 from fastcore.foundation import L
 
-from . import _core, callbacks, check, dist, loaders, sharded, state, trainstate
+from . import _core, callbacks, check, dist, frozen, loaders, sharded, state, trainstate
 from .script import Interrupted
 from .stages import Stage
 
@@ -305,6 +306,8 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
     )
     if saved is not None and not explicit:
         _check_same_fit(learn, pos, n_epoch)  # raises: still armed
+    if saved is not None:
+        frozen.recheck(get_model(learn.model), a.frozen, a.path)  # raises: still armed
     if a is not None:  # consumed by this fit: the log of the calls replayed before it is the script's own again
         sc.log = [ev for ev in a.log if ev["at"] <= st.index]
     sc.armed = None

@@ -44,7 +44,9 @@ __all__ = [
     "grads_mismatch",
 ]
 
-VERSION = 3  # 3: the Recorder's lrs as one float64 tensor; 2: stages, loader states, validation-time RNG
+# 4: frozen parameters by fingerprint (`frozen`), the trainable map; 3: the Recorder's lrs as one float64 tensor;
+# 2: stages, loader states, validation-time RNG
+VERSION = 4
 RESUMES_FROM = 2  # training positions saved by older schemas are refused with a message (1: no stages)
 
 
@@ -109,6 +111,7 @@ def capture(s) -> dict | None:
         "hypers": state.plain([dict(h) for h in learn.opt.hypers]),
         "grads": _pending_grads(learn.model),
         "grad_set": [p.grad is not None for p in learn.model.parameters()],
+        "trainable": [p.requires_grad for p in learn.model.parameters()],
         "rows": rows,
         "callbacks": callbacks.callback_states(learn),
         "script": script_part(s.script, st),
@@ -371,12 +374,13 @@ def validate(train) -> None:
                         where,
                         f"expected a number, a flag or None, got {type(x).__name__}",
                     )
-        gs = t.get("grad_set")
-        _need(
-            gs is None or (isinstance(gs, (list, tuple)) and all(isinstance(b, bool) for b in gs)),
-            "train.grad_set",
-            "expected a list of bools",
-        )
+        for k in ("grad_set", "trainable"):
+            gs = t.get(k)
+            _need(
+                gs is None or (isinstance(gs, (list, tuple)) and all(isinstance(b, bool) for b in gs)),
+                f"train.{k}",
+                "expected a list of bools",
+            )
         if t["grads"] is not None:
             for i, g in enumerate(_seq(t["grads"], "train.grads")):
                 if g is not None:
@@ -436,10 +440,11 @@ def restore_fit(learn, sv: dict, source, model_state=None, opt_state=None) -> li
     before replaced it, the optimizer (again: a wrapper may have cleared it, as fine_tune's freeze
     does), the gradients, the hyper-parameters (fit() has just reset the learning rate and weight
     decay), the Recorder and the callbacks. Returns the printed rows of the finished epochs."""
-    if model_state is not None:
+    _check_trainable(learn, sv.get("trainable"), source)
+    if model_state is not None:  # (validated at the load; a delta file's frozen tensors are the learner's)
         from fastai.torch_core import get_model
 
-        get_model(learn.model).load_state_dict(model_state)
+        get_model(learn.model).load_state_dict(model_state, strict=False)
     if opt_state is not None:
         learn.opt.load_state_dict(state.opt_state_for(learn.opt, _on_training_device(learn, opt_state)))
     bad = grads_mismatch(sv, len(list(learn.model.parameters())))
@@ -466,6 +471,23 @@ def restore_fit(learn, sv: dict, source, model_state=None, opt_state=None) -> li
         state.set_recorder_state(learn, sv["recorder"])
     callbacks.set_callback_states(learn, sv["callbacks"])
     return [list(r) for r in sv["rows"]]
+
+
+def _check_trainable(learn, saved, source) -> None:
+    """The same parameters are frozen as when the checkpoint was saved (the same stage of the same script
+    freezes the same ones): else the resumed fit would train another set, and is refused."""
+    if saved is None:  # (older files)
+        return
+    named = list(learn.model.named_parameters())
+    if len(saved) != len(named):
+        raise CheckpointError(f"{source}: {len(saved)} parameters saved, this model has {len(named)}")
+    for (name, p), was in zip(named, saved):
+        if p.requires_grad != was:
+            raise CheckpointError(
+                f"{source}: {name} was {'trainable' if was else 'frozen'} when the checkpoint was saved and is "
+                f"{'trainable' if p.requires_grad else 'frozen'} here: the resumed fit would train another set of "
+                "parameters. Freeze and unfreeze as the run did before this fit (the same script, unchanged)."
+            )
 
 
 def restore_epoch(learn, sv: dict, at_save: bool, k: int) -> None:
@@ -558,6 +580,7 @@ def end_tree(learn, st) -> dict | None:
         "ranks": None if ranks is None else [None] + ranks[1:],
         "callbacks": callbacks.callback_states(learn, between_stages=True),
         "grad_set": [p.grad is not None for p in learn.model.parameters()],
+        "trainable": [p.requires_grad for p in learn.model.parameters()],
         "training": bool(learn.model.training),
         "learner": _learner_counters(learn),
         "rows": [state.plain(list(r)) for r in st.rows],

@@ -271,28 +271,131 @@ def collab(a, st, out):
     out["model"] = learner_result(learn)
 
 
+def pretrained(folder, seed):
+    """A small causal LM and its tokenizer written as a hub download leaves them (`save_pretrained`), once
+    per folder and seed: the script loads them with `from_pretrained`, as a user's script does."""
+    import json
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    mark = os.path.join(folder, "seed.json")
+    if os.path.exists(mark) and json.load(open(mark)) == seed:
+        return
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(corpus()["text"], trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]"]))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+    hf_tok.save_pretrained(folder)
+    torch.manual_seed(seed)
+    n = tok.get_vocab_size()
+    cfg = GPT2Config(vocab_size=n, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1)
+    GPT2LMHeadModel(cfg).save_pretrained(folder)
+    with open(mark, "w") as f:
+        json.dump(seed, f)
+
+
+def llm(a, st, out):
+    """fastai's Hugging Face tutorial (a `transformers` causal LM in a `Learner`, `TfmdLists` with
+    `dl_type=LMDataLoader`, `DropOutput`, `lr_find`, `fit_one_cycle`) with what LLM users add: LoRA adapters
+    from `peft` on the attention, gradient accumulation, and the adapter saved with `save_pretrained`."""
+    from fastai.text.all import (
+        Callback,
+        CrossEntropyLossFlat,
+        GradientAccumulation,
+        Learner,
+        LMDataLoader,
+        Perplexity,
+        TfmdLists,
+        Transform,
+        tensor,
+    )
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pretrained("pretrained", a.base_seed)
+    tokenizer = AutoTokenizer.from_pretrained("pretrained")
+    model = AutoModelForCausalLM.from_pretrained("pretrained")
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1))
+
+    class TransformersTokenizer(Transform):
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def encodes(self, x):
+            return tensor(self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(x)))
+
+    class DropOutput(Callback):
+        def after_pred(self):
+            self.learn.pred = self.pred[0]
+
+    texts = list(corpus()["text"])
+    splits = [list(range(200)), list(range(200, len(texts)))]
+    tls = TfmdLists(texts, TransformersTokenizer(tokenizer), splits=splits, dl_type=LMDataLoader)
+    dls = tls.dataloaders(bs=8, seq_len=16)
+    learn = Learner(
+        dls,
+        model,
+        loss_func=CrossEntropyLossFlat(),
+        cbs=[DropOutput, GradientAccumulation(n_acc=24)],
+        metrics=Perplexity(),
+    )
+    learn.add_cbs(st.cbs(learn))
+    learn = st.start(learn, "crash")
+    learn.lr_find(num_it=10, show_plot=False)
+    if a.touch_frozen:  # a callback that writes into the frozen base mid-fit (merge code, an EMA into the base)
+        learn.add_cb(TouchFrozen())
+    learn.fit_one_cycle(2, 3e-3)
+    values("valid", learn.validate())
+    learn.model.save_pretrained("adapter")
+    out["model"] = learner_result(learn)
+
+
+class TouchFrozen:
+    "Adds 1 to the first row of the (frozen) token embedding after the 5th batch of the first epoch."
+
+    def __new__(cls):
+        from fastai.callback.core import Callback
+
+        class _Touch(Callback):
+            def after_batch(self):
+                if self.training and self.epoch == 0 and self.iter == 4:
+                    emb = self.learn.model.get_input_embeddings().weight
+                    assert not emb.requires_grad
+                    emb.data[0] += 1
+
+        return _Touch()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("app", choices=["text", "vision", "unet", "tabular", "collab"])
+    ap.add_argument("app", choices=["text", "vision", "unet", "tabular", "collab", "llm"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--die", default=None)
     ap.add_argument("--resume", default="manual", choices=["none", "manual", "auto"])
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--break-rng", action="store_true")
+    ap.add_argument("--base-seed", type=int, default=0)  # llm: the "pretrained" base model's weights
+    ap.add_argument("--touch-frozen", action="store_true")  # llm: a callback writes into the frozen base
+    ap.add_argument("--no-base-check", action="store_true")  # negative control: the fingerprint check removed
     a = ap.parse_args(argv)
     from fastai.torch_core import set_seed
 
     set_seed(42)
+    if a.no_base_check:
+        fastai_resume.frozen.check = lambda model, tree, path: None
+        fastai_resume.frozen.recheck = lambda model, checked, source: None
     st, out = Stages(a), {}
     if a.app == "unet":
         vision(a, st, out, seg=True)
     else:
-        {"text": text, "vision": vision, "tabular": tabular, "collab": collab}[a.app](a, st, out)
+        {"text": text, "vision": vision, "tabular": tabular, "collab": collab, "llm": llm}[a.app](a, st, out)
     files = {}
-    for d in ("models", "."):
+    for d in ("models", ".", "adapter"):
         for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
             p = os.path.join(d, f)
-            if os.path.isfile(p) and f.endswith((".pth", ".pkl")):
+            if os.path.isfile(p) and f.endswith((".pth", ".pkl", ".safetensors", "config.json")):
                 files[p] = file_crc(p)
     out["files"] = files
     fastai_resume.save(out, a.out)

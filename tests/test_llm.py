@@ -1,0 +1,85 @@
+"""Fine-tuning an LLM as fastai's Hugging Face tutorial does it (tests/apps.py `llm`: a `transformers`
+causal LM loaded with `from_pretrained` from a folder the script wrote, LoRA from `peft`,
+`GradientAccumulation`, `lr_find`, `fit_one_cycle`, the adapter saved with `save_pretrained`), killed by
+SIGKILL between two optimizer steps of an accumulation and run again unchanged: bitwise the uninterrupted
+run down to the adapter file, by hand and with AutoCheckpoint, while each checkpoint holds what training
+changes and the frozen base by fingerprint. A rerun on another base is refused (without the check it goes
+on, silently other: the negative control); a frozen tensor changed in place mid-fit is held and exact.
+fastai's own transfer learning (a frozen body with BatchNorm) is in tests/test_apps.py."""
+
+import os
+import signal
+
+import pytest
+from procs import equal
+from test_apps import app_reference, assert_same, run_app, values
+
+import fastai_resume as fr
+
+# fit_one_cycle(2): ~26 batches an epoch, an optimizer step every 3 (n_acc=24, bs 8): after batch 7 of
+# epoch 0 the gradient of one batch is pending
+MID_ACCUMULATION = "0,0,7"
+
+
+def crash_file(folder, resume):
+    "The resumable checkpoint the killed run left."
+    if resume == "manual":
+        return folder / "models" / "crash.frk"
+    (path,) = sorted((folder / "models").glob("auto-*-i*.frk"))[-1:]
+    return path
+
+
+@pytest.mark.parametrize("resume", ["manual", "auto"])
+def test_hf_tutorial_lora_killed_mid_accumulation_is_exact_down_to_the_adapter_file(tmp_root, tmp_path, resume):
+    ref, ref_values = app_reference(tmp_root, "llm")
+    run_app(
+        "llm", tmp_path, tmp_path / "dead.frk", "--die", MID_ACCUMULATION, "--resume", resume, expect=-signal.SIGKILL
+    )
+    ckpt = fr.info(crash_file(tmp_path, resume))["tree"]
+    assert ckpt["train"]["grads"] is not None  # killed with an accumulation in progress
+    held, refs = ckpt["model"], ckpt["frozen"]
+    assert all("lora_" in k for k in held) and len(held) == 4  # A and B of c_attn in 2 layers: what trains
+    assert (
+        "base_model.model.transformer.wte.weight" in refs and len(refs) == 29
+    )  # the rest, the tied lm_head under its own name too
+    log = run_app("llm", tmp_path, tmp_path / "out.frk", "--resume", resume)
+    assert "resuming" in log
+    assert values(log) == ref_values
+    res = fr.load(tmp_path / "out.frk")
+    assert_same(ref, res, ("model",))
+    assert "adapter/adapter_model.safetensors" in ref["files"]  # (compared bitwise by assert_same)
+
+
+def test_a_rerun_on_another_base_model_is_refused_naming_the_tensor(tmp_root, tmp_path):
+    run_app("llm", tmp_path, tmp_path / "dead.frk", "--die", MID_ACCUMULATION, expect=-signal.SIGKILL)
+    log = run_app("llm", tmp_path, tmp_path / "out.frk", "--base-seed", "1", expect=1)
+    assert "the frozen tensor base_model.model.transformer.wte.weight is not the one this checkpoint" in log
+    assert "another base model" in log
+    assert not (tmp_path / "out.frk").exists() and not (tmp_path / "adapter").exists()
+
+
+def test_negative_control_without_the_base_check_the_rerun_on_another_base_goes_on_and_differs(tmp_root, tmp_path):
+    ref, _ = app_reference(tmp_root, "llm")
+    run_app("llm", tmp_path, tmp_path / "dead.frk", "--die", MID_ACCUMULATION, expect=-signal.SIGKILL)
+    log = run_app("llm", tmp_path, tmp_path / "out.frk", "--base-seed", "1", "--no-base-check")
+    assert "resuming" in log
+    res = fr.load(tmp_path / "out.frk")
+    assert not equal(ref["model"]["model"], res["model"]["model"])
+
+
+def test_a_frozen_tensor_changed_in_place_mid_fit_is_held_and_the_rerun_is_exact(tmp_root, tmp_path):
+    def make(d):
+        log = run_app("llm", d, os.path.join(d, "out.frk"), "--resume", "none", "--touch-frozen")
+        with open(os.path.join(d, "values.txt"), "w") as f:
+            f.write("\n".join(values(log)))
+
+    from procs import shared_run
+
+    (ref,) = shared_run(tmp_root, "app-llm-touched", make)
+    run_app("llm", tmp_path, tmp_path / "dead.frk", "--die", "0,0,8", "--touch-frozen", expect=-signal.SIGKILL)
+    ckpt = fr.info(tmp_path / "models" / "crash.frk")["tree"]
+    for name in ("transformer.wte.weight", "lm_head.weight"):  # changed since the base (tied): held in full
+        assert "base_model.model." + name in ckpt["model"] and "base_model.model." + name not in ckpt["frozen"]
+    assert len(ckpt["frozen"]) == 27
+    run_app("llm", tmp_path, tmp_path / "out.frk", "--touch-frozen")
+    assert_same(ref, fr.load(tmp_path / "out.frk"), ("model",))
