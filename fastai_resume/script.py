@@ -22,12 +22,12 @@ DISARM_HOOKS: list = []  # `hook(why)` when an armed resume is cancelled: `fasta
 
 class Armed:
     """A resume armed by `learn.load` of a checkpoint saved mid-fit; the next matching fit consumes it.
-        Until then the script replays what the uninterrupted run did before that fit (`between`): `ends`,
-        the end states of the stages it skips; `log`, its between-stage calls (`used`: those replayed);
-        `divergent`, why the learner does not hold the uninterrupted run's state at this line (None when it
-        does). `frozen`: what the load checked of the frozen tensors the file references. `model` is the
-    checkpoint's model state, kept when stages are to be passed first (their end
-        states replace the learner's weights; the resumed fit puts these back)."""
+    Until then the script replays what the uninterrupted run did before that fit (`between`): `ends`,
+    the end states of the stages it skips; `log`, its between-stage calls (`used`: those replayed);
+    `divergent`, why the learner does not hold the uninterrupted run's state at this line (None when it
+    does). `frozen`: what the load checked of the frozen tensors the file references. `model` is the
+    checkpoint's model state, kept when stages are to be passed first (their end states replace the
+    learner's weights; the resumed fit puts these back)."""
 
     def __init__(self, train: dict, path: Path, opt: dict | None, fast_forward: bool = False, model=None):
         self.train, self.path, self.opt, self.fast_forward = train, path, opt, fast_forward
