@@ -14,6 +14,7 @@ not import itself (the command-line tool imports no fastai at all). Where things
     trackers.py            callbacks' state (fastai's, TensorBoard's and W&B's, the user's hooks)
     trainstate.py          the checkpoint's training state: version, capture, validation, restore
     script.py              what is known about one learner's script (and the hooks that act on it)
+    frozen.py              what a checkpoint holds of a model: what trains, the frozen rest by fingerprint
     checkpoint.py          the Learner checkpoint: tree, commit, read, load into the learner
     check.py               `fastai-resume check`
     between.py, stages.py  the script's stages, their end states and what it does between them
@@ -44,6 +45,7 @@ __all__ = [
     "info",
     "is_checkpoint",
     "load",
+    "make_full",
     "save",
 ]
 
@@ -52,6 +54,7 @@ _LAZY = {
     "PREEMPTED_EXIT_CODE": "autosave",
     "ResumeSession": "session",
     "fsdp_ctx": "fsdp",
+    "make_full": "checkpoint",
 }
 _SUBMODULES = {
     "autosave",
@@ -62,6 +65,7 @@ _SUBMODULES = {
     "dcp",
     "dist",
     "fsdp",
+    "frozen",
     "loaders",
     "patches",
     "paths",

@@ -243,7 +243,24 @@ def cmd_inspect(a):
         if not a.brief:
             print(f"  {path:60s} {str(ref.dtype):16s} {str(list(ref.shape)):20s} {size:>12,}")
     print(f"tensors: {total:,} bytes")
+    refs = tree.get("frozen") if isinstance(tree, dict) else None
+    if refs:  # (validated by _check_learner)
+        sizes = {k: _numel(f["shape"]) * io.TORCH_DTYPE_SIZE[f["dtype"]] for k, f in refs.items()}
+        print(
+            f"frozen, by fingerprint (not held): {len(refs)} tensors, {sum(sizes.values()):,} bytes: loading "
+            "checks the learner's against them"
+        )
+        if not a.brief:
+            for k, f in refs.items():
+                print(f"  {k:60s} {f['dtype']:16s} {str(f['shape']):20s} {sizes[k]:>12,} crc32c {f['crc']:08x}")
     return status
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _scan(folder: Path):
@@ -415,6 +432,12 @@ def _source(src: Path, head: bytes | None, size: int) -> tuple:
         _check_learner(tree, src)
         if not isinstance(tree["model"], dict):
             raise Failure(f"{src}: 'model' is a {type(tree['model']).__name__}, not a state dict")
+        if tree.get("frozen"):
+            raise Failure(
+                f"{src}: references {len(tree['frozen'])} frozen tensors it does not hold (the base of a "
+                "fine-tuning run); make a self-contained file first, with the learner built on that base: "
+                "fastai_resume.make_full(learn, src, dst), or learn.save(name, with_iter=True, full=True)"
+            )
         return tree["model"], tree.get("opt"), "a fastai_resume checkpoint"
     model, opt = _load_vanilla(src, head or b"")
     return model, opt, "a torch.save file"

@@ -20,21 +20,21 @@ A load checks each fingerprint against the learner before anything changes (`che
 missing or extra tensor, another shape or dtype is refused, naming the first tensor that differs. A
 resumed fit checks again, at its start, the tensors that may have changed since (`recheck`), and that the
 same parameters are frozen as when the checkpoint was saved (`trainstate`). `full=True` saves every
-tensor; `make_full` writes a delta file's self-contained twin from the learner it was checked against.
+tensor; `checkpoint.make_full` writes a delta file's self-contained twin from the learner it was checked against.
 A sharded (FSDP2) model's checkpoints hold every tensor: each rank writes only its part already.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from . import io
+from . import dist, io
 from .io import CheckpointError
+from .script import script
 
-__all__ = ["fingerprints", "base", "split", "check", "recheck", "versions", "is_delta", "make_full"]
+__all__ = ["fingerprints", "base", "split", "validate", "stand_ins", "check", "recheck", "versions", "is_delta"]
 
 _THREADS = min(8, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 1
 
@@ -69,7 +69,6 @@ def base(learn) -> dict:
     from fastai.torch_core import get_model
 
     from . import dist
-    from .script import script
 
     sc = script(learn)
     if sc.base is None:
@@ -82,8 +81,6 @@ def split(learn, sd: dict, full: bool = False) -> tuple[dict, dict | None]:
     """The state dict `sd` of the learner's model as a checkpoint holds it: `(held, frozen)`, `frozen`
     the fingerprints of the frozen parameters left out (None when every tensor is held)."""
     from fastai.torch_core import get_model
-
-    from . import dist
 
     model = get_model(learn.model)
     if full or dist.sharded(model):
@@ -110,7 +107,7 @@ def is_delta(tree) -> bool:
     return isinstance(tree, dict) and bool(tree.get("frozen"))
 
 
-_DTYPES = {str(d).removeprefix("torch.") for d in io.TORCH_CODE}
+_DTYPES = {str(d).removeprefix("torch.") for d in io.TORCH_CODE}  # (those this torch has)
 
 
 def validate(tree, path) -> None:
@@ -199,25 +196,3 @@ def _differs(path, name, want, got) -> str:
         "was built on another base model, or with other frozen weights. Build it on the base the run trained "
         "on; a checkpoint saved with full=True holds every tensor."
     )
-
-
-def make_full(learn, src, dst) -> Path:
-    """Write `dst`, the self-contained twin of the checkpoint `src`: the frozen tensors it references taken
-    from `learn`'s model once they are checked to be those (everything else as `src` holds it)."""
-    from fastai.torch_core import get_model
-
-    from . import checkpoint
-
-    src, dst = Path(src), Path(dst)
-    tree = checkpoint.read(src)
-    model = get_model(learn.model)
-    checkpoint.model_mismatch_or_raise(model, tree, src, strict=True)
-    check(model, tree, src)
-    sd = model.state_dict()
-    held = tree["model"]
-    tree["model"] = {
-        k: held[k] if k in held else sd[k].detach().cpu() for k in sd if k in held or k in tree.get("frozen", {})
-    }
-    tree.pop("frozen", None)
-    io.save(tree, dst)
-    return dst

@@ -51,6 +51,7 @@ _TORCH_DTYPES = {
 }
 TORCH_CODE = {getattr(torch, n): c for n, c in _TORCH_DTYPES.items() if hasattr(torch, n)}
 TORCH_DTYPE = {c: d for d, c in TORCH_CODE.items()}
+TORCH_DTYPE_SIZE = {n: _core.dtype_size(c) for n, c in _TORCH_DTYPES.items()}  # by name, as `frozen` records it
 NUMPY_CODE = {
     np.dtype(n): c
     for n, c in _TORCH_DTYPES.items()

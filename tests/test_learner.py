@@ -253,7 +253,7 @@ def test_the_recorders_history_is_converted_once_per_entry_and_always_equals_the
     with mid.no_bar(), mid.no_logging():
         mid.fit(1, 1e-3, cbs=_SaveAt(7))
     tree = fr.load(tmp_path / "models" / "mid.frk")
-    assert tree["fastai_resume"] == 3 and tree["train"]["recorder"]["lrs"].dtype == torch.float64
+    assert tree["fastai_resume"] >= 3 and tree["train"]["recorder"]["lrs"].dtype == torch.float64
     fresh = build(tmp_path)
     fresh.load("mid")
     with fresh.no_bar(), fresh.no_logging():
