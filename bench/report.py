@@ -377,6 +377,48 @@ def resume(res) -> str:
     return "\n".join(out + ["", machine_line(res)])
 
 
+def _ratio(a, b) -> dict:
+    "The ratio of two measurements paired by round, as stats."
+    return common.stats([x / y for x, y in zip(a["values"], b["values"])])
+
+
+def llm(res) -> str:
+    b, t, snap = res["bytes"], res["save_s"], res["snapshot_bytes"]
+    mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
+    ms = lambda s: _mm(s, 1e3, "{:,.1f} ms")  # noqa: E731
+    rows = [
+        ("ours (`with_iter=True`: the base by fingerprint)", b["ours"], t["ours"], snap["ours"]),
+        ("ours, `full=True` (every tensor)", b["ours full"], t["ours full"], snap["ours full"]),
+        ("Hugging Face Trainer's files (no fsync)", b["trainer"], t["trainer"], None),
+        ("Hugging Face Trainer's files, each fsynced", b["trainer"], t["trainer + fsync"], None),
+    ]
+    out = [
+        f"{res['model']}: {mb(b['base'])} of frozen weights. One checkpoint at a batch boundary of the fit, "
+        "medians (min to max) over the rounds, the contenders interleaved; ratios paired by round.",
+        "",
+        "| checkpoint | bytes | save | a background snapshot holds |",
+        "|---|---|---|---|",
+    ]
+    for name, size, time_s, held in rows:
+        out.append(f"| {name} | {mb(size)} | {ms(time_s)} | {mb(held) if held is not None else '—'} |")
+    by, tt, tf = b["ours"] / b["trainer"], _ratio(t["ours"], t["trainer"]), _ratio(t["ours"], t["trainer + fsync"])
+    check, load = res["check_s"], res["from_pretrained_s"]
+    share = check["median"] / load["median"]
+    out += [
+        "",
+        f"Ours against the Trainer's: {by:.2f}x the bytes (target at most 1.5x: {'met' if by <= 1.5 else 'not met'}), "
+        f"{_mm(tt, fmt='{:.2f}x')} the save time without its fsync (target at most 2x: "
+        f"{'met' if tt['median'] <= 2 else 'not met'}), {_mm(tf, fmt='{:.2f}x')} with it; the full file is "
+        f"{b['ours full'] / b['ours']:,.0f}x the delta's bytes. The fingerprint pass over the frozen weights, "
+        f"alone: {ms(t['fingerprints'])} in each save. The resume's check: {ms(check)}, against "
+        f"{ms(load)} for the base's `from_pretrained` load, {100 * share:.0f}% of it (target at most 10%: "
+        f"{'met' if share <= 0.10 else 'not met'}); the whole `learn.load` of the delta file {ms(res['load_s'])}.",
+        "",
+        machine_line(res),
+    ]
+    return "\n".join(out)
+
+
 def ddp_control(res) -> str:
     return (
         f"World size {res['world_size']}, {res['iters']:,} calls per round: the agreement takes "
@@ -415,6 +457,7 @@ RENDER = {
     "scale": scale,
     "ddp_control": ddp_control,
     "sharded": sharded,
+    "llm": llm,
 }
 # Benchmarks whose block is in a page of docs/ rather than in the README (which links to the page).
 PAGES = {"sharded": os.path.join(HERE, "..", "docs", "sharded.md")}

@@ -388,7 +388,8 @@ uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len)
 
 /* ---- many buffers at once ----------------------------------------------------------------- */
 
-#define MANY_PIECE ((size_t)1 << 20) /* the unit of work a thread takes: small enough to balance */
+/* The unit of work a thread takes: small enough to balance the threads. */
+#define MANY_PIECE ((size_t)1 << 20)
 #define MANY_THREADS_MAX 8
 
 typedef struct {
@@ -412,11 +413,13 @@ static void *many_worker(void *arg)
             b++;
         size_t off = (k - j->first[b]) * MANY_PIECE;
         size_t left = j->len[b] - off;
-        j->piece_crc[k] = frk_crc32c(0, (const uint8_t *)j->data[b] + off, left < MANY_PIECE ? left : MANY_PIECE);
+        j->piece_crc[k] =
+            frk_crc32c(0, (const uint8_t *)j->data[b] + off, left < MANY_PIECE ? left : MANY_PIECE);
     }
 }
 
-int frk_crc32c_many(size_t n, const void *const *data, const size_t *len, uint32_t *out, int threads)
+int frk_crc32c_many(size_t n, const void *const *data, const size_t *len, uint32_t *out,
+                    int threads)
 {
     size_t *first = malloc((n + 1) * sizeof *first);
     if (!first)

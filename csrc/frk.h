@@ -60,7 +60,8 @@ int frk_copy_use_openmp(int on);
 /* The CRC32C of each of n buffers (out[i] for data[i], len[i] bytes), their 1 MiB pieces shared out
  * among `threads` threads (this one among them; at most 8). Safe to call without the GIL.
  * FRK_OK, or FRK_ENOMEM with nothing written to out. */
-int frk_crc32c_many(size_t n, const void *const *data, const size_t *len, uint32_t *out, int threads);
+int frk_crc32c_many(size_t n, const void *const *data, const size_t *len, uint32_t *out,
+                    int threads);
 
 /* ---- value tree ---------------------------------------------------------- */
 

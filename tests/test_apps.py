@@ -76,6 +76,40 @@ def test_text_application_recipe_killed_in_any_stage_of_either_learner_is_exact(
     assert set(ref["files"]) >= {"models/1epoch.pth", "models/finetuned.pth"}
 
 
+def test_the_text_recipes_gradual_unfreezing_checkpoints_hold_what_trains_and_the_frozen_rest_by_fingerprint(
+    tmp_root, tmp_path
+):
+    """freeze_to(-2) of the classifier (stage 3): the encoder's frozen layers are referenced, not written;
+    killed there and rerun, exact (the kill and rerun of the test above, with what the checkpoint held)."""
+    ref, ref_values = app_reference(tmp_root, "text")
+    run_app("text", tmp_path, tmp_path / "dead.frk", "--die", TEXT_KILLS["clas-1"], expect=-signal.SIGKILL)
+    tree = fr.info(tmp_path / "models" / "clas-crash.frk")["tree"]
+    assert tree["frozen"] and all(k.startswith("0.module.") for k in tree["frozen"])  # the encoder's frozen part
+    assert any(k.startswith("1.") for k in tree["model"])  # the head trains
+    log = run_app("text", tmp_path, tmp_path / "out.frk")
+    assert values(log) == ref_values
+    assert_same(ref, fr.load(tmp_path / "out.frk"), ("lm", "clas"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", ["manual", "auto"])
+def test_vision_fine_tune_killed_in_its_frozen_epoch_is_exact_and_its_checkpoint_references_the_body(
+    tmp_root, tmp_path, resume
+):
+    """fine_tune's first fit trains the head and the frozen body's BatchNorm layers (train_bn): the
+    checkpoint holds those (and every running statistic), references the body's convolutions."""
+    ref, ref_values = app_reference(tmp_root, "vision")
+    run_app("vision", tmp_path, tmp_path / "dead.frk", "--die", "0,0,4", "--resume", resume, expect=-signal.SIGKILL)
+    ckpts = sorted((tmp_path / "models").glob("*.frk"))
+    tree = fr.info(ckpts[-1])["tree"]
+    assert tree["train"]["position"]["fit_index"] == 0  # killed in the frozen epoch
+    assert any(k.endswith("conv1.weight") for k in tree["frozen"]) and not any("bn" in k for k in tree["frozen"])
+    assert any(k.endswith("bn1.weight") for k in tree["model"]) and any(k.endswith("running_var") for k in tree["model"])
+    log = run_app("vision", tmp_path, tmp_path / "out.frk", "--resume", resume)
+    assert "resuming" in log and values(log) == ref_values
+    assert_same(ref, fr.load(tmp_path / "out.frk"), ("model",))
+
+
 def test_text_negative_control_a_resume_without_its_rng_state_differs(tmp_root, tmp_path):
     ref, _ = app_reference(tmp_root, "text")
     res, log = crash_and_rerun(tmp_path, "text", TEXT_KILLS["clas-1"], "manual", "--break-rng")

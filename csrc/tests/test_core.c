@@ -2995,6 +2995,34 @@ static void test_crc_combine_and_copy(void)
     }
 }
 
+static void test_crc_many(void)
+{
+    static const size_t sizes[] = {0,       1, (1u << 20) - 1, 1u << 20, (1u << 20) + 1, (3u << 20),
+                                   5000003, 17};
+    enum { N = sizeof sizes / sizeof *sizes };
+    const void *data[N];
+    size_t len[N];
+    uint8_t *bufs[N];
+    for (size_t i = 0; i < N; i++) {
+        bufs[i] = xmalloc(sizes[i] + 1);
+        for (size_t k = 0; k < sizes[i]; k++)
+            bufs[i][k] = (uint8_t)(rnd() >> 32);
+        data[i] = bufs[i];
+        len[i] = sizes[i];
+    }
+    for (int threads = 1; threads <= 9; threads += 2) { /* 9: more than it allows (8) */
+        uint32_t out[N];
+        memset(out, 0xAA, sizeof out);
+        CHECK(frk_crc32c_many(N, data, len, out, threads) == FRK_OK);
+        for (size_t i = 0; i < N; i++)
+            CHECKF(out[i] == frk_crc32c(0, data[i], len[i]),
+                   "buffer %zu of %zu bytes on %d threads", i, len[i], threads);
+    }
+    CHECK(frk_crc32c_many(0, data, len, NULL, 2) == FRK_OK); /* nothing to do, nothing written */
+    for (size_t i = 0; i < N; i++)
+        free(bufs[i]);
+}
+
 static int write_seeds(const char *dir)
 {
     frk_error err;
@@ -3173,6 +3201,7 @@ int main(int argc, char **argv)
     run_test("builder_size_is_the_committed_size", test_builder_size_is_the_committed_size);
     run_test("commit_direct_same_bytes_as_buffered", test_commit_direct_same_bytes_as_buffered);
     run_test("crc32c_combine_and_copy", test_crc_combine_and_copy);
+    run_test("crc32c_many", test_crc_many);
     run_test("error_message_cut_at_a_character", test_error_message_cut_at_a_character);
     run_test("reader_truncation_every_offset", test_truncation_every_offset);
     run_test("load_file_mapped_and_read_in_chunks", test_load_file);
