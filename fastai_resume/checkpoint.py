@@ -193,16 +193,15 @@ def check(tree, path) -> None:
             raise CheckpointError(f"{path}: {e}") from None
 
 
-def load_tree(learn, path, tree, device, with_opt, strict) -> dict | None:
-    """Model and optimizer from a validated tree; nothing is changed unless everything fits. Returns what
-    `frozen.recheck` needs at a resumed fit's start (None for a self-contained tree)."""
+def load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=False) -> dict | None:
+    """Model and optimizer from a validated tree; nothing is changed unless everything fits (the frozen
+    tensors it references included, unless `defer_frozen`: a resume checks them as its fit starts).
+    Returns what `frozen.recheck` needs then (None for a self-contained tree)."""
     from fastai.torch_core import get_model, to_device
 
     model = get_model(learn.model)
-    if frozen.is_delta(tree):
-        frozen.base(learn)  # (the learner as the script built it: the first sight of it may be this load)
     model_mismatch_or_raise(model, tree, path, strict)
-    checked = frozen.check(model, tree, path)
+    checked = frozen.check(model, tree, path, defer=defer_frozen)
     bad = strict and trainstate.grads_mismatch(tree.get("train") or {}, len(list(learn.model.parameters())))
     if bad:  # (strict=False: checked when a resume restores them)
         raise CheckpointError(f"{path}: malformed training state: {bad}")
@@ -221,13 +220,13 @@ def load_tree(learn, path, tree, device, with_opt, strict) -> dict | None:
                 f"{path}: its optimizer state does not fit this learner's optimizer "
                 f"(different parameter groups?): {e!r}"
             ) from None
-    try:  # (the frozen tensors a delta tree references are the learner's already: checked above)
+    try:  # (the frozen tensors a delta tree references are the learner's: checked above, or at the resumed fit)
         model.load_state_dict(tree["model"], strict=strict and not frozen.is_delta(tree))
     except RuntimeError as e:  # checked above; kept for what torch checks beyond keys, dtypes and shapes
         if prev_opt is not None:
             learn.opt.load_state_dict(prev_opt)
         raise CheckpointError(f"{path} does not fit this learner's model: {e}") from None
-    return None if checked is None else {**checked, "seen": frozen.versions(model.state_dict(), checked["refs"])}
+    return checked
 
 
 def model_mismatch_or_raise(model, tree, path, strict) -> None:

@@ -4,24 +4,25 @@ Fine-tuning (LoRA adapters on a `transformers` model, fastai's `freeze()`d body)
 a model. A checkpoint's `model` holds every tensor training can change: each parameter with
 `requires_grad` (fastai's `train_bn` norms inside a frozen body among them, which a filter by name
 misses), every buffer, anything else in the state dict, and a frozen parameter whose bytes are not the
-ones the script started with (merge code, an EMA written into the base, a callback writing `.data`,
+ones its stage began with (merge code, an EMA written into the base, a callback writing `.data`,
 fastai's optimizer stepping a once-trained frozen parameter that still has a zero gradient). Each other
 frozen parameter is recorded in the tree's `frozen` by fingerprint, not written:
 
     "frozen": {name: {"crc": CRC32C of its bytes, "shape": [...], "dtype": "float32"}}
 
-"The bytes the script started with" are the base: the fingerprint of every parameter, taken the first
-time the package sees the learner (its first `load`, stage or save, before anything it loads or trains
-has changed it). Each save fingerprints the frozen parameters again (one CRC32C pass over them, the
-hardware instruction on every core: `bench/llm.py` measures it) and writes in full any that differ from
-the base; so a rerun, which builds the same base, finds the others as they were.
+"The bytes the stage started with" are the base: the fingerprint of every parameter, taken as each stage
+of the script begins (`stage_began`, before a resume loads anything). Each save fingerprints the frozen
+parameters again (one CRC32C pass over them, the hardware instruction on every core: `bench/llm.py`
+measures it) and writes in full any that differ from the base; a rerun reaches that stage's start with
+the same state (the script's promise, `between`), so it finds the others as they were.
 
 A load checks each fingerprint against the learner before anything changes (`check`): another base, a
 missing or extra tensor, another shape or dtype is refused, naming the first tensor that differs. A
-resumed fit checks again, at its start, the tensors that may have changed since (`recheck`), and that the
-same parameters are frozen as when the checkpoint was saved (`trainstate`). `full=True` saves every
-tensor; `checkpoint.make_full` writes a delta file's self-contained twin from the learner it was checked against.
-A sharded (FSDP2) model's checkpoints hold every tensor: each rank writes only its part already.
+load that arms a resume leaves the tensors that do not match yet to its fit's start (the script may load
+them in between, as `load_encoder` does); the resumed fit checks those, and any loaded into since
+(`recheck`), before it trains, and that the same parameters are frozen as when the checkpoint was saved
+(`trainstate`). `full=True` saves every tensor; `checkpoint.make_full` writes a delta file's
+self-contained twin from the learner it is checked against. A sharded (FSDP2) model's checkpoints hold every tensor: each rank writes only its part already.
 """
 
 from __future__ import annotations
@@ -34,7 +35,18 @@ from . import dist, io
 from .io import CheckpointError
 from .script import script
 
-__all__ = ["fingerprints", "base", "split", "validate", "stand_ins", "check", "recheck", "versions", "is_delta"]
+__all__ = [
+    "fingerprints",
+    "stage_began",
+    "base",
+    "split",
+    "validate",
+    "stand_ins",
+    "check",
+    "recheck",
+    "versions",
+    "is_delta",
+]
 
 _THREADS = min(8, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 1
 
@@ -63,18 +75,21 @@ def _params(model) -> dict:
     return dict(model.named_parameters(remove_duplicate=False))
 
 
-def base(learn) -> dict:
-    """The fingerprints of the learner's parameters as the script built them, taken on the first call
-    (the package's first sight of the learner) and kept with the script."""
+def stage_began(learn) -> None:
+    """A stage of the script begins: the fingerprints of every parameter now are the base its saves compare
+    the frozen ones against (before a resume's load: AutoCheckpoint's is a hook of the stage's start)."""
     from fastai.torch_core import get_model
 
-    from . import dist
+    model = get_model(learn.model)
+    script(learn).base = {} if dist.sharded(model) else fingerprints(_params(model))
 
+
+def base(learn) -> dict:
+    "The fingerprints the current stage began with (taken now for a save before any stage)."
     sc = script(learn)
     if sc.base is None:
-        model = get_model(learn.model)
-        sc.base = {} if dist.sharded(model) else fingerprints(_params(model))
-    return sc.base
+        stage_began(learn)
+    return sc.base or {}
 
 
 def split(learn, sd: dict, full: bool = False) -> tuple[dict, dict | None]:
@@ -139,19 +154,26 @@ def stand_ins(refs: dict) -> dict:
     return {k: torch.empty(f["shape"], dtype=getattr(torch, f["dtype"]), device="meta") for k, f in refs.items()}
 
 
-def check(model, tree, path) -> dict | None:
+def check(model, tree, path, defer: bool = False) -> dict | None:
     """Check the frozen tensors `tree` references against `model`'s (its names, shapes and dtypes were
-    checked with the rest of the state dict): raise `CheckpointError` naming the first that differs.
-    Returns what `recheck` needs to look again at a resumed fit's start (None for a self-contained tree)."""
+    checked with the rest of the state dict): raise `CheckpointError` naming the first that differs, or,
+    `defer`, say so and leave them to `recheck` at the resumed fit's start (a script may load them
+    between its top and that fit, as `load_encoder` loads a classifier's encoder). Returns what `recheck`
+    needs then (None for a self-contained tree)."""
     refs = tree.get("frozen")
     if not refs:
         return None
     sd = model.state_dict()
     now = fingerprints({k: sd[k] for k in refs})
-    for k, want in refs.items():
-        if now[k] != want:
-            raise CheckpointError(_differs(path, k, want, now[k]))
-    return {"refs": refs, "seen": versions(sd, refs)}
+    pending = [k for k, want in refs.items() if now[k] != want]
+    if pending and not defer:
+        raise CheckpointError(_differs(path, pending[0], refs[pending[0]], now[pending[0]]))
+    if pending:
+        print(
+            f"fastai_resume: {len(pending)} of the frozen tensors {path} references are not this learner's yet "
+            f"(the first: {pending[0]}); the resumed fit checks them as it starts"
+        )
+    return {"refs": refs, "seen": versions(sd, refs), "pending": pending}
 
 
 def versions(sd: dict, names) -> dict:
@@ -161,8 +183,9 @@ def versions(sd: dict, names) -> dict:
 
 
 def recheck(model, checked: dict | None, source) -> None:
-    """At a resumed fit's start: the referenced tensors that were loaded into or replaced since `check`
-    (a between-stage `load`, a stage's end restored) are fingerprinted again; any that differs is refused."""
+    """At a resumed fit's start: the referenced tensors that did not match at the load or were loaded into
+    or replaced since (a between-stage `load`, a stage's end restored) are fingerprinted again; any that
+    differs is refused, before the fit trains."""
     if not checked:
         return
     sd = model.state_dict()
@@ -172,15 +195,12 @@ def recheck(model, checked: dict | None, source) -> None:
             f"{source}: this learner's model has no {missing[0]} (a frozen tensor the checkpoint references)"
         )
     now_at = versions(sd, checked["refs"])
-    moved = {k: sd[k] for k, v in now_at.items() if v != checked["seen"][k]}
+    moved = {k: sd[k] for k, v in now_at.items() if v != checked["seen"][k] or k in checked["pending"]}
     if not moved:
         return
     for k, f in fingerprints(moved).items():
         if f != checked["refs"][k]:
-            raise CheckpointError(
-                _differs(source, k, checked["refs"][k], f)
-                + " (it was changed after the checkpoint was loaded, before the resumed fit)"
-            )
+            raise CheckpointError(_differs(source, k, checked["refs"][k], f) + " (checked as the resumed fit starts)")
 
 
 def _differs(path, name, want, got) -> str:

@@ -31,7 +31,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import between, checkpoint, dist, frozen, io, paths, remote, sharded, state
+from . import between, checkpoint, dist, io, paths, remote, sharded, state
 from ._hooks import imported
 from .compat import check_fastai_version
 from .fastai_classes import fastai_class, is_a
@@ -107,7 +107,6 @@ def save(self: Learner, file, with_iter=False, full=False, **kwargs):
     from it (fastai_resume format, extension `.frk`, written atomically); callable from a callback mid-fit.
     Such a file holds what training can change, the frozen parameters by fingerprint (checked against the
     learner on load); `full=True` holds every tensor."""
-    frozen.base(self)  # the first sight of the learner may be this save (lr_find's, before it trains)
     with_opt = kwargs.pop("with_opt", True)
     if with_iter and not with_opt:
         raise ValueError("save(with_iter=True) needs the optimizer state: drop with_opt=False")
@@ -163,11 +162,13 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
     if learn.opt is None:
         learn.create_opt()
     tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
-    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict)
     train = tree.get("train")
+    arms = resume and train is not None and not inside
+    # a resume's frozen tensors are checked as its fit starts: the script may load them before it (load_encoder)
+    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=arms)
     if inside:
         return learn
-    if resume and train is not None:
+    if arms:
         if sc.armed is not None and sc.armed.path != path:
             print(f"fastai_resume: {path} replaces the armed {sc.armed.path}")
         # the optimizer now uses the tree's tensors in place: the resume keeps its own copy (lr_find, or any
@@ -214,7 +215,6 @@ def load(self: Learner, file, device=None, resume=True, fast_forward=False, **kw
     by the file's magic bytes, never its name; vanilla fastai files load as fastai loads them.
     `fast_forward=True`: a stream without state_dict/load_state_dict is resumed by reading and
     discarding the batches trained before the save."""
-    frozen.base(self)  # before anything this load brings in
     path, ours = _found_checkpoint(self, file)
     if not ours:
         return _load_theirs(self, file, path, lambda f: self._orig_load(f, device=device, **kwargs))
@@ -246,7 +246,6 @@ def fit(
     script continues at the saved epoch and iteration. `start_epoch` / `start_iter` override the saved
     position; `resume=False` ignores it."""
     sc = script(self)
-    frozen.base(self)  # before the first fit trains anything
     if sc.fit_depth or _is_lr_find(cbs):  # a fit inside a fit, or lr_find: fastai's own, no stage
 
         def run():

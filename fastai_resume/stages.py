@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import between, state
+from . import between, frozen, state
 from .script import STAGE_BEGIN_HOOKS, Script, script
 
 __all__ = ["Stage", "stage_call"]
@@ -136,6 +136,7 @@ def stage_call(learn, method: str, bound, start_epoch=0, start_iter=None, resume
     sc.stage = st
     ok = False
     try:
+        frozen.stage_began(learn)  # before a resume's load (a hook of `begin`) or anything the stage trains
         st.begin(sc)
         yield st
         ok = True
