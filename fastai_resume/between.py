@@ -324,7 +324,6 @@ def _restore(learn, sc, st) -> None:
             trainstate.set_recorder_numbers(learn, numbers.get("result"))
     if ref is not None and why is None:
         a.divergent = None
-        a.model_moved = True
         print(f"fastai_resume: stage {st.index} ({st.method}) restored as it ended, from {Path(ref['file']).name}")
         return
     a.divergent = why
