@@ -493,9 +493,9 @@ def five_stages(learn, a, fit_cbs):
 
 # What `book` does after each of its first two stages (`--between`), besides reading `recorder.values`.
 BETWEEN = (
-    "save-load",  # save('s<j>'), load('s<j>'): the book's save('1epoch'), load('1epoch')
+    "save-load",  # save('<j+1>epoch'), load('<j+1>epoch'): the book's save('1epoch'), load('1epoch')
     "load-other",  # load('init'), the .pth saved at the top
-    "save-load-frk",  # the same as a fastai_resume file: save('s<j>', with_iter=True), load('s<j>')
+    "save-load-frk",  # the same as a fastai_resume file: save('<j+1>epoch', with_iter=True), load(...)
     "load-other-frk",  # load('init'), the .frk saved at the top
     "encoder",  # save_encoder('enc<j>'), load_encoder('enc<j>') (which freezes), unfreeze()
     "validate",
@@ -509,8 +509,8 @@ def between_calls(learn, op, j):
     "The script's lines after stage `j`: print the Recorder's last row, then the `--between` variant's call."
     show(f"values-{j}", learn.recorder.values[-1])
     if op in ("save-load", "save-load-frk"):
-        learn.save(f"s{j}", with_iter=op.endswith("frk"))
-        learn = learn.load(f"s{j}")
+        learn.save(f"{j + 1}epoch", with_iter=op.endswith("frk"))
+        learn = learn.load(f"{j + 1}epoch")
     elif op in ("load-other", "load-other-frk"):
         learn = learn.load("init")
     elif op == "encoder":
@@ -534,11 +534,23 @@ def file_digest(t):
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
 
 
+def keep_loaded_weights(learn, stage) -> None:
+    """Negative control (issue 39's defect, as a stage-begin hook): the resumed fit does not put the
+    checkpoint's model back unless a skipped stage's end state was kept, so it trains on from whatever a
+    between-stage load left in the learner (the rule before the fix)."""
+    a = fastai_resume.script.script(learn).armed
+    if a is not None and not any(a.ends[: a.position["stage"]]):
+        a.model = None
+
+
 def book(learn, a):
     """The fastai book's chapter-10 language-model fine-tuning (frozen, fit_one_cycle; save('1epoch'),
     load('1epoch'); unfreeze, fit_one_cycle), one stage longer, with `--between`'s call after each of the
     first two stages. `--auto-in S`: an AutoCheckpoint given to stage S's call only (no resumable save in
     the stages before it)."""
+
+    if a.keep_loaded_weights:
+        fastai_resume.script.STAGE_BEGIN_HOOKS.append(keep_loaded_weights)
 
     def cbs(stage):
         return [fastai_resume.AutoCheckpoint(every_iters=a.auto_in_every, keep=2)] if stage == a.auto_in else []
@@ -570,7 +582,7 @@ def result(learn):
         "files": {
             f: file_crc(os.path.join(learn.path, "models", f))
             for f in sorted(os.listdir(os.path.join(learn.path, "models")))
-            if f.endswith(".pth") or (f.endswith(".frk") and f[:1] in "is")  # the book's init.frk, s<j>.frk
+            if f.endswith(".pth") or (f.endswith(".frk") and not f.startswith(("crash", "auto")))  # book's .frk
         }
         if os.path.isdir(os.path.join(learn.path, "models"))
         else {},
@@ -598,6 +610,7 @@ def main(argv=None):
     ap.add_argument("--between", default="validate", choices=BETWEEN, help="book: the call after stages 0 and 1")
     ap.add_argument("--auto-in", type=int, default=-1, help="book: AutoCheckpoint given to this stage's call only")
     ap.add_argument("--auto-in-every", type=int, default=4)
+    ap.add_argument("--keep-loaded-weights", action="store_true", help="book: negative control, `keep_loaded_weights`")
     ap.add_argument("--csv-append", action="store_true")
     ap.add_argument("--no-lr-find", action="store_true")
     ap.add_argument("--train-metrics", action="store_true")
