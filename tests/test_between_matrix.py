@@ -74,3 +74,17 @@ def test_a_rerun_is_the_uninterrupted_run_whatever_the_script_calls_between_its_
         return
     for name, data in killed.items():
         assert (tmp_path / name).read_bytes() == data, f"{name} was written again"
+
+
+def test_negative_control_the_matrix_catches_a_resumed_fit_that_keeps_a_between_stage_loads_weights(tmp_root, tmp_path):
+    """The book's cell of the matrix (killed in stage 1, no resumable save in stage 0, `learn.load('crash')`
+    at the top) with issue 39's defect planted (`workloads.keep_loaded_weights`): the rerun says nothing,
+    and the comparison the matrix makes fails."""
+    ref = workload_reference(tmp_root, "lm-text", *BOOK, "--between", "save-load")
+    args = (*BOOK, "--between", "save-load", "--keep-loaded-weights")
+    run_workload("lm-text", tmp_path, tmp_path / "dead.frk", "--die", KILLS[1], *args, expect=-signal.SIGKILL)
+    log = run_workload("lm-text", tmp_path, tmp_path / "out.frk", *args, "--load", "crash")
+    res = fr.load(tmp_path / "out.frk")
+    assert "cancelled" not in log and "Error" not in log
+    with pytest.raises(AssertionError, match="model differs"):
+        assert_same_result(ref, res, ("model", "opt", "losses", "lrs", "values", "rng", "files"))
