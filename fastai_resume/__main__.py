@@ -10,7 +10,7 @@
     convert SRC DST       fastai_resume checkpoint (a file or a sharded folder) -> vanilla fastai .pth
                           (for deployment), or back; `--to dcp`: a DCP checkpoint (torch.distributed.
                           checkpoint), and a DCP checkpoint back into a fastai_resume file
-    check SCRIPT [ARGS]   does this training script resume exactly? (runs it three times, short)
+    check SCRIPT [ARGS]   does this training script resume exactly? (runs it 3 or 4 times, short)
 
 Exit status: 0 when all is well; 1 when `verify` finds a file that is not a valid checkpoint,
 `inspect` a checksum that fails, or `check` a difference; 2 on an error (a missing file, a file

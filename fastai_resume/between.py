@@ -300,7 +300,7 @@ def _restore(learn, sc, st) -> None:
     why = None
     if ref is None:
         why = (
-            f"holds the state of {a.path.name} (saved later in the script), not stage {st.index}'s end: no "
+            f"holds the script's own state (the resume of {a.path.name} is armed), not stage {st.index}'s end: no "
             "resumable checkpoint was saved in that stage, so its end state was not kept"
         )
     else:
@@ -315,7 +315,7 @@ def _restore(learn, sc, st) -> None:
             trainstate.restore_end(learn, end)
             _print_rows(learn, end)
         except (CheckpointError, OSError) as e:
-            why = f"holds the state of {a.path.name}, not stage {st.index}'s end: {e}"
+            why = f"holds the script's own state ({a.path.name} is armed), not stage {st.index}'s end: {e}"
     sc.ends.append(ref if why is None else None)
     numbers = _expected(learn, "stage")
     if numbers is not None:
@@ -324,7 +324,6 @@ def _restore(learn, sc, st) -> None:
             trainstate.set_recorder_numbers(learn, numbers.get("result"))
     if ref is not None and why is None:
         a.divergent = None
-        a.model_moved = True
         print(f"fastai_resume: stage {st.index} ({st.method}) restored as it ended, from {Path(ref['file']).name}")
         return
     a.divergent = why

@@ -1,12 +1,16 @@
 """`fastai-resume check SCRIPT [ARGS...]`: does this training script resume exactly? Find out before a
 long run.
 
-It runs the user's own script three times, each in a new process, with every epoch cut to its first
+It runs the user's own script, each time in a new process, with every epoch cut to its first
 `batches` training and validation batches (the same cut in every run, so the runs stay comparable and
 short): once uninterrupted; once saved and killed by SIGKILL at a batch of a late stage's second epoch;
-once more from that checkpoint. A probe in every fit records, for each training batch, digests of the
-RNG states before it, of its data, its loss, and of the model and optimizer after it. The first record
-where the resumed run differs from the uninterrupted one is reported with its likely cause.
+once more from that checkpoint, loaded at the top as `learn.load` does, with the end states of the
+stages before it (as after stages that saved resumable checkpoints, `AutoCheckpoint`'s way); and, where
+stages come before the killed one, once more without them (as after stages that saved nothing
+resumable, the manual way). A probe in every fit records, for each training batch, digests of the RNG
+states and of the model and optimizer before it, of its data, its loss, and of the model and optimizer
+after it. The first record where a resumed run differs from the uninterrupted one is reported with its
+likely cause (a between-stage load, where the resumed stage did not start from the checkpoint's state).
 
 While checking, `AutoCheckpoint` neither saves nor resumes (the check tests the same save and resume
 with a checkpoint of its own, `fastai_resume_check.frk`, removed afterwards).
@@ -32,7 +36,7 @@ from .script import DISARM_HOOKS, STAGE_BEGIN_HOOKS, script
 
 __all__ = ["check", "CheckResult", "ENV", "probe_for"]
 
-ENV = "FASTAI_RESUME_CHECK"  # "record", "kill:S,E,I" or "resume"; with ENV_TRACE, ENV_BATCHES
+ENV = "FASTAI_RESUME_CHECK"  # "record", "kill:S,E,I", "resume" or "resume-bare"; with ENV_TRACE, ENV_BATCHES
 ENV_TRACE, ENV_BATCHES = "FASTAI_RESUME_CHECK_TRACE", "FASTAI_RESUME_CHECK_BATCHES"
 ENV_DIR = "FASTAI_RESUME_CHECK_DIR"  # where the runs keep their stages' end states (removed afterwards)
 CKPT = "fastai_resume_check"
@@ -86,11 +90,12 @@ def _stage_begins(learn, stage) -> None:
     every run keeps each stage's end state in the check's own folder (removed with it)."""
     if not os.environ.get(ENV):
         return
-    if os.environ[ENV] == "resume" and stage.index == 0 and script(learn).armed is None:
+    mode = os.environ[ENV]
+    if mode.startswith("resume") and stage.index == 0 and script(learn).armed is None:
         learn.load(CKPT)
         armed = script(learn).armed
-        if armed is not None:
-            armed.path.unlink()
+        if armed is not None and mode == "resume-bare":
+            armed.ends = []  # as after stages that saved nothing resumable: their end states are not had
     if os.environ.get(ENV_DIR):
         stage.saved_in(Path(os.environ[ENV_DIR]), CKPT, auto=True)
 
@@ -109,6 +114,12 @@ def note_between(at: int, op: str, file, digest) -> None:
     _append({"between": [at, op, file, digest]})
 
 
+def _model_opt(learn) -> list:
+    "Digests of the model's state and the optimizer's."
+    sd = learn.opt.state_dict()
+    return [_crc(list(learn.model.state_dict().values())), _crc(sd["state"] if isinstance(sd, dict) else [])]
+
+
 def probe_for(learn):
     "The check's probe callback for a fit of `learn`, if this process runs under `fastai-resume check`."
     mode = os.environ.get(ENV)
@@ -124,7 +135,7 @@ def probe_for(learn):
         def before_batch(self):
             if not self.training:
                 return
-            self.pre = {"rng": _rng_digest(), "data": _crc(list(self.xb) + list(self.yb))}
+            self.pre = {"rng": _rng_digest(), "data": _crc(list(self.xb) + list(self.yb)), "in": _model_opt(self.learn)}
 
         def after_batch(self):
             n = int(os.environ.get(ENV_BATCHES, "8"))
@@ -134,13 +145,8 @@ def probe_for(learn):
                 return
             sc = script(self.learn)
             key = [sc.stage.index, sc.session.fit_index, self.epoch, self.iter]
-            rec = {
-                "key": key,
-                **self.pre,
-                "loss": float(self.loss),
-                "model": _crc(list(self.model.state_dict().values())),
-                "opt": _crc(self.opt.state_dict()["state"] if isinstance(self.opt.state_dict(), dict) else []),
-            }
+            model, opt = _model_opt(self.learn)
+            rec = {"key": key, **self.pre, "loss": float(self.loss), "model": model, "opt": opt}
             with open(os.environ[ENV_TRACE], "a") as f:
                 f.write(json.dumps(rec) + "\n")
             if (
@@ -148,7 +154,7 @@ def probe_for(learn):
                 and key[0] == int(mode[5:].split(",")[0])
                 and [self.epoch, self.iter + 1] == [int(x) for x in mode[5:].split(",")[1:]]
             ):
-                self.learn.save(CKPT, with_iter=True)
+                _append({"ckpt": str(self.learn.save(CKPT, with_iter=True))})  # removed by the check
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.iter + 1 >= n:
@@ -165,6 +171,8 @@ class CheckResult:
 
 
 _CAUSES = {
+    "in": "the model or optimizer this batch started from differs: something between the checkpoint's load and "
+    "the resumed fit changed them, and the fit trained on from there",
     "rng": "the RNG state before this batch differs: something drew random numbers that the checkpoint does not "
     "restore (a callback's before_batch, a transform outside the DataLoader, a stream or sampler with its own "
     "generator that has no state_dict)",
@@ -190,7 +198,7 @@ def _trace(path) -> tuple:
                 between.append(r["between"])
             elif "disarm" in r:
                 disarms.append(r["disarm"])
-            else:
+            elif "key" in r:
                 out[tuple(r["key"])] = r
     return out, between, disarms
 
@@ -224,15 +232,84 @@ def _run(cmd, cwd, env, mode, trace, batches):
     return subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True)
 
 
+def _started_from(ref: dict, res_between: list, key: tuple, stage: int) -> str:
+    """Why the resumed stage's first batch started from another model or optimizer than the checkpoint's:
+    the last between-stage load the resumed run made before that stage, or the script's own code."""
+    loads = [ev for ev in res_between if ev[0] <= stage and ev[1] in ("load", "load_encoder")]
+    where = f"the resumed stage {stage} did not start from the checkpoint's model and optimizer"
+    if not loads:
+        return (
+            f"{where} (stage {key[0]}, fit {key[1]}, epoch {key[2]}, batch {key[3]}): something between the "
+            "checkpoint's load and that fit changed them, and the fit trained on from there"
+        )
+    at, op, file, _ = loads[-1]
+    return (
+        f"between stages ({_where(at, op)}): {op}{' of ' + file if file else ''}, made again by the resumed run "
+        f"before stage {stage}, left its weights in the learner: {where}, it trained on from that {op}'s"
+    )
+
+
+def _compare(ref, ref_between, res_t, p, kill_at) -> str | None:
+    "What the resumed run (its trace `res_t`, its process `p`) does differently from the uninterrupted one."
+    s, e, i = kill_at
+    res, res_between, disarms = _trace(res_t)
+    if disarms:
+        return (
+            f"the resume was cancelled: {disarms[0]}. A load between stages that the uninterrupted run did not "
+            "make at that point of the script loads other weights; the rerun then trains from them."
+        )
+    if p.returncode != 0:
+        return f"the resumed run failed (exit {p.returncode}): {(p.stderr or p.stdout).strip().splitlines()[-1:]}"
+    first = min(res) if res else None
+    for key in sorted(ref):
+        if tuple(key[:1] + key[2:]) < (s, e, i):
+            continue
+        r = res.get(key)
+        if r is None:
+            return (
+                f"stage {key[0]}, fit {key[1]}, epoch {key[2]}, batch {key[3]}: trained by "
+                "the uninterrupted run, not by the resumed one"
+            )
+        for field in ("rng", "data", "in", "loss", "model", "opt"):
+            if r.get(field) != ref[key].get(field):
+                if field == "in" and key == first:
+                    return _started_from(ref, res_between, key, s)
+                return (
+                    f"first difference at stage {key[0]}, fit {key[1]}, epoch {key[2]}, "
+                    f"batch {key[3]}: {field}. Likely cause: {_CAUSES[field]}."
+                )
+    bad = _first_between_difference(ref_between, res_between)
+    if bad:
+        return bad
+    extra = sorted(set(res) - set(ref))
+    if extra:
+        return f"the resumed run trained batches the uninterrupted one did not: {extra[:3]}"
+    return None
+
+
+def _refused(p) -> str | None:
+    "The line of a `ReplayError` that ended the resumed run `p` (a loud refusal, not a difference)."
+    lines = [ln for ln in (p.stderr or "").splitlines() if ln.startswith("fastai_resume.between.ReplayError")]
+    return lines[-1].split(": ", 1)[-1] if p.returncode != 0 and lines else None
+
+
+def _remove(path) -> None:
+    import shutil
+
+    q = Path(path)
+    shutil.rmtree(q, ignore_errors=True) if q.is_dir() else q.unlink(missing_ok=True)
+
+
 def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python=sys.executable) -> CheckResult:
     """Run `script` (with `args`) uninterrupted, killed at `kill_at` = (stage, epoch, iteration) and
-    resumed, and compare them batch by batch. By default it kills at the middle of the second epoch of
-    the last stage that has two (or the first epoch of the last stage)."""
+    resumed (both with and without the earlier stages' end states), and compare them batch by batch.
+    By default it kills at the middle of the second epoch of the last stage that has two (or the first
+    epoch of the last stage)."""
     cwd = str(cwd or os.getcwd())
     cmd = [python, str(script), *args]
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="fastai-resume-check-") as tmp:
-        ref_t, res_t = Path(tmp) / "ref.jsonl", Path(tmp) / "res.jsonl"
+        ref_t, dead_t = Path(tmp) / "ref.jsonl", Path(tmp) / "dead.jsonl"
         p = _run(cmd, cwd, env, "record", ref_t, batches)
         if p.returncode != 0:
             return CheckResult(
@@ -252,60 +329,45 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
             its = sorted(k[3] for k in ref if k[0] == s and k[2] == e)
             kill_at = (s, e, max(1, (its[-1] + 1) // 2))
         s, e, i = kill_at
-        p = _run(cmd, cwd, env, f"kill:{s},{e},{i}", Path(tmp) / "dead.jsonl", batches)
-        if p.returncode != -signal.SIGKILL:
-            return CheckResult(
-                False,
-                f"the run to be killed at stage {s}, epoch {e}, batch {i} was not killed there "
-                f"(exit {p.returncode}): is there such a batch?",
-                kill_at,
-            )
-        p = _run(cmd, cwd, env, "resume", res_t, batches)
-        res, res_between, disarms = _trace(res_t)
-        if disarms:
-            return CheckResult(
-                False,
-                f"the resume was cancelled: {disarms[0]}. A load between stages that the uninterrupted run did not "
-                "make at that point of the script loads other weights; the rerun then trains from them.",
-                kill_at,
-            )
-        if p.returncode != 0:
-            return CheckResult(
-                False,
-                f"the resumed run failed (exit {p.returncode}): {(p.stderr or p.stdout).strip().splitlines()[-1:]}",
-                kill_at,
-            )
-        for key in sorted(ref):
-            if tuple(key[:1] + key[2:]) < (s, e, i):
-                continue
-            r = res.get(key)
-            if r is None:
+        try:
+            p = _run(cmd, cwd, env, f"kill:{s},{e},{i}", dead_t, batches)
+            if p.returncode != -signal.SIGKILL:
                 return CheckResult(
                     False,
-                    f"stage {key[0]}, fit {key[1]}, epoch {key[2]}, batch {key[3]}: trained by "
-                    "the uninterrupted run, not by the resumed one",
+                    f"the run to be killed at stage {s}, epoch {e}, batch {i} was not killed there "
+                    f"(exit {p.returncode}): is there such a batch?",
                     kill_at,
                 )
-            for field in ("rng", "data", "loss", "model", "opt"):
-                if r[field] != ref[key][field]:
-                    return CheckResult(
-                        False,
-                        f"first difference at stage {key[0]}, fit {key[1]}, epoch {key[2]}, "
-                        f"batch {key[3]}: {field}. Likely cause: {_CAUSES[field]}.",
-                        kill_at,
-                    )
-        bad = _first_between_difference(ref_between, res_between)
-        if bad:
-            return CheckResult(False, bad, kill_at)
-        extra = sorted(set(res) - set(ref))
-        if extra:
-            return CheckResult(
-                False, f"the resumed run trained batches the uninterrupted one did not: {extra[:3]}", kill_at
+            res_t = Path(tmp) / "res.jsonl"
+            bad = _compare(ref, ref_between, res_t, _run(cmd, cwd, env, "resume", res_t, batches), kill_at)
+            if bad:
+                return CheckResult(False, bad, kill_at)
+            n = sum(1 for k in ref if tuple(k[:1] + k[2:]) >= (s, e, i))
+            msg = (
+                f"exact: killed at stage {s}, epoch {e}, batch {i} and resumed, the {n} batches "
+                "after it match the uninterrupted run (RNG, data, loss, model, optimizer)"
             )
-        n = sum(1 for k in ref if tuple(k[:1] + k[2:]) >= (s, e, i))
-        return CheckResult(
-            True,
-            f"exact: killed at stage {s}, epoch {e}, batch {i} and resumed, the {n} batches "
-            "after it match the uninterrupted run (RNG, data, loss, model, optimizer)",
-            kill_at,
-        )
+            if s == 0:
+                return CheckResult(True, msg, kill_at)
+            # Resumed as after stages that saved nothing resumable: the stages before are passed without
+            # their end states, and what the script does between them is replayed on the checkpoint's state.
+            bare_t = Path(tmp) / "bare.jsonl"
+            p = _run(cmd, cwd, env, "resume-bare", bare_t, batches)
+            why = _refused(p)
+            if why is not None:
+                return CheckResult(
+                    True,
+                    f"{msg}; with no resumable save in the stages before it, a rerun refuses, before it writes "
+                    f"anything: {why}",
+                    kill_at,
+                )
+            bad = _compare(ref, ref_between, bare_t, p, kill_at)
+            if bad:
+                return CheckResult(
+                    False, f"{bad} (resumed with no resumable save in the stages before stage {s})", kill_at
+                )
+            return CheckResult(True, f"{msg}, also with no resumable save in the stages before it", kill_at)
+        finally:
+            for line in dead_t.read_text().splitlines() if dead_t.exists() else ():
+                if '"ckpt"' in line:
+                    _remove(json.loads(line)["ckpt"])

@@ -193,10 +193,11 @@ def check(tree, path) -> None:
             raise CheckpointError(f"{path}: {e}") from None
 
 
-def load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=False) -> dict | None:
+def load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=False, apply=True) -> dict | None:
     """Model and optimizer from a validated tree; nothing is changed unless everything fits (the frozen
-    tensors it references included, unless `defer_frozen`: a resume checks them as its fit starts).
-    Returns what `frozen.recheck` needs then (None for a self-contained tree)."""
+    tensors it references included, unless `defer_frozen`: a resume checks them as its fit starts), and
+    nothing at all unless `apply` (validated only: a resume's fit puts them in). Returns what
+    `frozen.recheck` needs then (None for a self-contained tree)."""
     from fastai.torch_core import get_model, to_device
 
     model = get_model(learn.model)
@@ -220,6 +221,11 @@ def load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=False) -
                 f"{path}: its optimizer state does not fit this learner's optimizer "
                 f"(different parameter groups?): {e!r}"
             ) from None
+        if not apply:
+            learn.opt.load_state_dict(prev_opt)
+            prev_opt = None
+    if not apply:
+        return checked
     try:  # (the frozen tensors a delta tree references are the learner's: checked above, or at the resumed fit)
         model.load_state_dict(tree["model"], strict=strict and not frozen.is_delta(tree))
     except RuntimeError as e:  # checked above; kept for what torch checks beyond keys, dtypes and shapes

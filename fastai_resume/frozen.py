@@ -22,7 +22,8 @@ load that arms a resume leaves the tensors that do not match yet to its fit's st
 them in between, as `load_encoder` does); the resumed fit checks those, and any loaded into since
 (`recheck`), before it trains, and that the same parameters are frozen as when the checkpoint was saved
 (`trainstate`). `full=True` saves every tensor; `checkpoint.make_full` writes a delta file's
-self-contained twin from the learner it is checked against. A sharded (FSDP2) model's checkpoints hold every tensor: each rank writes only its part already.
+self-contained twin from the learner it is checked against. A sharded (FSDP2) model's checkpoints hold
+every tensor: each rank writes only its part already.
 """
 
 from __future__ import annotations

@@ -134,7 +134,13 @@ def save(self: Learner, file, with_iter=False, full=False, **kwargs):
     if rank_distrib() and not dist.active():
         return  # only rank 0 writes, as fastai does
     build = lambda: checkpoint.build_tree(self, with_opt, with_iter, full)  # noqa: E731
-    sharded.commit_checkpoint(build, path, self.model)  # under DDP, and a sharded model: collective
+    commit = lambda: sharded.commit_checkpoint(build, path, self.model)  # noqa: E731  (DDP, sharded: collective)
+    if sc.session is None and not sc.fit_depth and not dist.active():
+        # between stages (no position): a file like a named `.pth`, kept where the uninterrupted run wrote it,
+        # never written again by a rerun from a state that is not that run's (`between`)
+        between.write_or_keep(self, "save", path, commit, f"learn.save({str(file)!r}, with_iter=True)")
+    else:
+        commit()
     return path
 
 
@@ -164,20 +170,25 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
     tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
     train = tree.get("train")
     arms = resume and train is not None and not inside
-    # a resume's frozen tensors are checked as its fit starts: the script may load them before it (load_encoder)
-    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=arms)
+    # Stages to pass first: the learner stays the script's own until the resumed fit puts the checkpoint's
+    # state in, so each skipped stage's end state (whose frozen tensors are referenced, not held) is
+    # restored onto the learner the script built. A resume's frozen tensors are checked as its fit starts:
+    # the script may load them before it (load_encoder).
+    ahead = arms and train["position"]["stage"] > len(sc.signatures)
+    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=arms, apply=not ahead)
     if inside:
         return learn
     if arms:
         if sc.armed is not None and sc.armed.path != path:
             print(f"fastai_resume: {path} replaces the armed {sc.armed.path}")
-        # the optimizer now uses the tree's tensors in place: the resume keeps its own copy (lr_find, or any
-        # training before the resumed stage, must not change what the resume restores)
-        ahead = train["position"]["stage"] > len(sc.signatures)  # stages to pass first: their ends replace the weights
-        sc.armed = Armed(
-            train, path, checkpoint.cloned(tree.get("opt")), fast_forward, tree["model"] if ahead else None
-        )
+        # The resumed fit puts the checkpoint's model and optimizer back, whatever the script did to the
+        # learner between here and that fit (stage ends restored, a named model loaded, load_encoder, its own
+        # code): the model's tensors are the tree's (load_state_dict copied them, unless stages are to be
+        # passed first), the optimizer uses the tree's in place, so it keeps a copy of those.
+        sc.armed = Armed(train, path, checkpoint.cloned(tree.get("opt")), fast_forward, tree["model"])
         sc.armed.frozen = checked
+        if ahead:
+            sc.armed.divergent = f"holds the script's own state, not the uninterrupted run's ({path.name} is armed)"
     else:
         _between_load(
             learn, file, path, "loads " + ("without resuming" if train is not None else "a file saved outside a fit")

@@ -25,9 +25,11 @@ class Armed:
     Until then the script replays what the uninterrupted run did before that fit (`between`): `ends`,
     the end states of the stages it skips; `log`, its between-stage calls (`used`: those replayed);
     `divergent`, why the learner does not hold the uninterrupted run's state at this line (None when it
-    does). `frozen`: what the load checked of the frozen tensors the file references. `model` is the
-    checkpoint's model state, kept when stages are to be passed first (their end states replace the
-    learner's weights; the resumed fit puts these back)."""
+    does). `model` and `opt` are the checkpoint's model and optimizer state: the resumed fit always puts
+    them back, so nothing the script does before it (a stage end restored, a named model loaded, its own
+    code) can change where it continues. `model` is the tree the load read (no copy; the peak memory is
+    the load's), held until that fit starts. `frozen`: what the load checked of the frozen tensors the
+    file references (`frozen.recheck` looks again as that fit starts)."""
 
     def __init__(self, train: dict, path: Path, opt: dict | None, fast_forward: bool = False, model=None):
         self.train, self.path, self.opt, self.fast_forward = train, path, opt, fast_forward
@@ -40,7 +42,6 @@ class Armed:
             f"{self.position['epoch']}, iteration {self.position['iter']})"
         )
         self.model = model
-        self.model_moved = False
         self.frozen: dict | None = None  # the frozen tensors the load checked (`frozen.recheck` at the fit)
 
     @property

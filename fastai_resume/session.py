@@ -50,7 +50,7 @@ class FitPlan:
     source: Path | None = None
     opt_state: dict | None = None
     fast_forward: bool = False
-    model_state: dict | None = None  # put back before the restore: skipped stages' end states replaced it
+    model_state: dict | None = None  # put back before the restore: what ran since the load may have changed it
 
 
 class EventFrames:
@@ -323,7 +323,7 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
             a.path if a is not None else None,
             a.opt if saved is not None else None,
             a.fast_forward if a is not None else False,
-            a.model if saved is not None and a.model_moved else None,
+            a.model if saved is not None else None,
         )
     )
     sc.session = s

@@ -444,6 +444,7 @@ def restore_fit(learn, sv: dict, source, model_state=None, opt_state=None) -> li
     if model_state is not None:  # (validated at the load; a delta file's frozen tensors are the learner's)
         from fastai.torch_core import get_model
 
+        # the keys the load validated and put in (with its `strict`; a `strict=False` load may have fewer)
         get_model(learn.model).load_state_dict(model_state, strict=False)
     if opt_state is not None:
         learn.opt.load_state_dict(state.opt_state_for(learn.opt, _on_training_device(learn, opt_state)))

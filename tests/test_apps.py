@@ -104,7 +104,9 @@ def test_vision_fine_tune_killed_in_its_frozen_epoch_is_exact_and_its_checkpoint
     tree = fr.info(ckpts[-1])["tree"]
     assert tree["train"]["position"]["fit_index"] == 0  # killed in the frozen epoch
     assert any(k.endswith("conv1.weight") for k in tree["frozen"]) and not any("bn" in k for k in tree["frozen"])
-    assert any(k.endswith("bn1.weight") for k in tree["model"]) and any(k.endswith("running_var") for k in tree["model"])
+    assert any(k.endswith("bn1.weight") for k in tree["model"]) and any(
+        k.endswith("running_var") for k in tree["model"]
+    )
     log = run_app("vision", tmp_path, tmp_path / "out.frk", "--resume", resume)
     assert "resuming" in log and values(log) == ref_values
     assert_same(ref, fr.load(tmp_path / "out.frk"), ("model",))

@@ -40,6 +40,31 @@ def test_check_names_a_between_stage_load_that_goes_another_way_in_the_rerun(tmp
     assert not r.ok and r.message.startswith("between stages (after stage 1): load of stage1.pth differs"), r.message
 
 
+BOOK = ["lm-text", "--recipe", "book", "--between", "save-load"]  # the fastai book's chapter 10 (workloads.book)
+
+
+def test_check_passes_the_books_script_resumed_with_and_without_the_earlier_stages_end_states(tmp_path):
+    """Killed in its second stage, the book's script (save('1epoch'), load('1epoch') between the stages) is
+    resumed twice: with stage 0's end state (AutoCheckpoint's way) and without it (no resumable save in
+    stage 0, `learn.load` at the top), where the replayed load puts 1epoch.pth's weights in the learner
+    before the resumed fit: both exact."""
+    args = [*BOOK, "--path", str(tmp_path), "--out", str(tmp_path / "o.frk")]
+    r = check(WORKLOADS, args, batches=4, cwd=tmp_path)
+    assert r.ok and r.kill_at[0] == 1 and r.message.endswith("also with no resumable save in the stages before it")
+    assert not list((tmp_path / "models").glob("fastai_resume_check*"))
+
+
+def test_check_names_the_between_stage_load_a_resumed_stage_trains_on_from(tmp_path):
+    """Issue 39's defect planted (`workloads.keep_loaded_weights`: the resumed fit keeps what a
+    between-stage load left in the learner unless a skipped stage's end state was restored): the check
+    reports the difference and names the load, not the loss or model it changes afterwards. (Run against
+    the package before the fix, unplanted, it reports the same; before this check, OK.)"""
+    args = [*BOOK, "--path", str(tmp_path), "--out", str(tmp_path / "o.frk"), "--keep-loaded-weights"]
+    r = check(WORKLOADS, args, batches=4, cwd=tmp_path)
+    assert not r.ok and r.message.startswith("between stages (after stage 0): load of 1epoch.pth"), r.message
+    assert "did not start from the checkpoint's model" in r.message, r.message
+
+
 def test_check_finds_a_planted_divergence_and_names_it(tmp_path):
     r = check(
         WORKLOADS,

@@ -199,3 +199,20 @@ def test_csv_logger_continues_its_file(tmp_path):
         learn.fit_one_cycle(3, 1e-2)
     after = (tmp_path / "history.csv").read_text().splitlines()
     assert len(before) == 3 and len(after) == 4 and after[:3] == before and after[3].startswith("2,")
+
+
+def test_a_checkpoint_loaded_with_strict_false_into_a_model_with_more_state_resumes(tmp_path):
+    """`learn.load(name, strict=False)` loads what the file has into a model that holds more (a buffer
+    added since); the resumed fit, which puts the checkpoint's model back as it starts, puts back the
+    same keys, and the added buffer keeps its value."""
+    import torch
+
+    learn = build(tmp_path)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(2, 1e-3, cbs=StopAt(1, 10))
+    fresh = build(tmp_path)
+    fresh.model.register_buffer("extra", torch.full((3,), 7.0))
+    fresh.load("ck", strict=False)
+    with fresh.no_bar(), fresh.no_logging():
+        fresh.fit(2, 1e-3)
+    assert len(fresh.recorder.losses) == 2 * N_ITER and torch.equal(fresh.model.extra, torch.full((3,), 7.0))

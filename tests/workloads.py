@@ -343,7 +343,7 @@ def build(a):
         dls = DataLoaders(train, valid, path=a.path, device="cpu")
         model, splitter, loss = mlp(), mlp_split, CrossEntropyLossFlat()
         kw["metrics"] = accuracy
-    elif a.pipeline == "lm":
+    elif a.pipeline in ("lm", "lm-text"):
         from fastai.callback.rnn import rnn_cbs
         from fastai.text.data import LMDataLoader
         from fastai.text.models.awdlstm import AWD_LSTM, awd_lstm_lm_config, awd_lstm_lm_split
@@ -351,11 +351,21 @@ def build(a):
 
         g = torch.Generator().manual_seed(0)
         docs = [torch.randint(0, 60, (int(n),), generator=g) for n in torch.randint(10, 40, (60,), generator=g)]
-        train = LMDataLoader(docs[:48], bs=4, seq_len=10, shuffle=True)
-        valid = LMDataLoader(docs[48:], bs=4, seq_len=10)
+        tr, va = docs[:48], docs[48:]
+        if a.pipeline == "lm-text":  # in fastai's TfmdLists, as TextDataLoaders makes them (export pickles them)
+            from fastai.data.core import TfmdLists
+
+            tl = TfmdLists(docs, None, splits=[range(48), range(48, 60)])
+            tr, va = tl.train, tl.valid
+        train = LMDataLoader(tr, bs=4, seq_len=10, shuffle=True)
+        valid = LMDataLoader(va, bs=4, seq_len=10)
         dls = DataLoaders(train, valid, path=a.path, device="cpu")
         cfg = dict(awd_lstm_lm_config, emb_sz=8, n_hid=16, n_layers=2)
         model, splitter, loss = get_language_model(AWD_LSTM, 60, cfg), awd_lstm_lm_split, CrossEntropyLossFlat()
+        if a.pipeline == "lm-text":  # what language_model_learner makes of it (its own rnn_cbs, save/load_encoder)
+            from fastai.text.learner import LMLearner
+
+            return LMLearner(dls, model, loss_func=loss, splitter=splitter, wd=0.01, path=a.path, metrics=accuracy)
         cbs += rnn_cbs()
     elif a.pipeline in ("book-rnn3", "book-rnn7"):  # the fastai book's chapter 12, as written there
         dls, model = book_rnn(a.pipeline, a.path, carried=a.no_resetter)
@@ -408,6 +418,8 @@ def recipe(learn, a):
         return
     if a.recipe == "five":
         return five_stages(learn, a, fit_cbs)
+    if a.recipe == "book":
+        return book(learn, a)
     learn.add_cb(CSVLogger(append=a.csv_append))
     if not a.no_lr_find:
         learn.lr_find(num_it=20, show_plot=False)
@@ -479,6 +491,84 @@ def five_stages(learn, a, fit_cbs):
     show("valid-4", learn.validate())
 
 
+# What `book` does after each of its first two stages (`--between`), besides reading `recorder.values`.
+BETWEEN = (
+    "save-load",  # save('<j+1>epoch'), load('<j+1>epoch'): the book's save('1epoch'), load('1epoch')
+    "load-other",  # load('init'), the .pth saved at the top
+    "save-load-frk",  # the same as a fastai_resume file: save('<j+1>epoch', with_iter=True), load(...)
+    "load-other-frk",  # load('init'), the .frk saved at the top
+    "encoder",  # save_encoder('enc<j>'), load_encoder('enc<j>') (which freezes), unfreeze()
+    "validate",
+    "lr_find",
+    "export",
+    "get_preds",
+)
+
+
+def between_calls(learn, op, j):
+    "The script's lines after stage `j`: print the Recorder's last row, then the `--between` variant's call."
+    show(f"values-{j}", learn.recorder.values[-1])
+    if op in ("save-load", "save-load-frk"):
+        learn.save(f"{j + 1}epoch", with_iter=op.endswith("frk"))
+        learn = learn.load(f"{j + 1}epoch")
+    elif op in ("load-other", "load-other-frk"):
+        learn = learn.load("init")
+    elif op == "encoder":
+        learn.save_encoder(f"enc{j}")
+        learn = learn.load_encoder(f"enc{j}")
+        learn.unfreeze()
+    elif op == "validate":
+        show(f"valid-{j}", learn.validate())
+    elif op == "lr_find":
+        show(f"lr_find-{j}", list(learn.lr_find(num_it=8, show_plot=False)))
+    elif op == "export":
+        learn.export(f"model{j}.pkl")
+    elif op == "get_preds":
+        preds, targs = learn.get_preds(reorder=False)  # (LMLearner concatenates on dim 1, which reorder cannot sort)
+        PRINTED.append(f"preds-{j} {file_digest(preds)} {file_digest(targs)}")
+        print(f"VALUES {PRINTED[-1]}", flush=True)
+    return learn
+
+
+def file_digest(t):
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+
+
+def keep_loaded_weights(learn, stage) -> None:
+    """Negative control (issue 39's defect, as a stage-begin hook): the resumed fit does not put the
+    checkpoint's model back unless a skipped stage's end state was kept, so it trains on from whatever a
+    between-stage load left in the learner (the rule before the fix)."""
+    a = fastai_resume.script.script(learn).armed
+    if a is not None and not any(a.ends[: a.position["stage"]]):
+        a.model = None
+
+
+def book(learn, a):
+    """The fastai book's chapter-10 language-model fine-tuning (frozen, fit_one_cycle; save('1epoch'),
+    load('1epoch'); unfreeze, fit_one_cycle), one stage longer, with `--between`'s call after each of the
+    first two stages. `--auto-in S`: an AutoCheckpoint given to stage S's call only (no resumable save in
+    the stages before it)."""
+
+    if a.keep_loaded_weights:
+        fastai_resume.script.STAGE_BEGIN_HOOKS.append(keep_loaded_weights)
+
+    def cbs(stage):
+        return [fastai_resume.AutoCheckpoint(every_iters=a.auto_in_every, keep=2)] if stage == a.auto_in else []
+
+    if a.between in ("load-other", "load-other-frk"):
+        learn.create_opt()  # (a resumable save needs an optimizer)
+        learn.save("init", with_iter=a.between.endswith("frk"))
+    learn.freeze()
+    learn.fit_one_cycle(1, 1e-2, cbs=cbs(0))  # stage 0
+    learn = between_calls(learn, a.between, 0)
+    learn.unfreeze()
+    learn.fit_one_cycle(2, 1e-3, cbs=cbs(1))  # stage 1
+    learn = between_calls(learn, a.between, 1)
+    learn.fit_one_cycle(1, 1e-3, cbs=cbs(2))  # stage 2
+    show("values-2", learn.recorder.values[-1])
+    return learn
+
+
 def result(learn):
     rng = {"python": random.random(), "numpy": float(np.random.rand()), "torch": torch.rand(3)}
     csv = os.path.join(learn.path, "history.csv")
@@ -492,7 +582,7 @@ def result(learn):
         "files": {
             f: file_crc(os.path.join(learn.path, "models", f))
             for f in sorted(os.listdir(os.path.join(learn.path, "models")))
-            if f.endswith(".pth")
+            if f.endswith(".pth") or (f.endswith(".frk") and not f.startswith(("crash", "auto")))  # book's .frk
         }
         if os.path.isdir(os.path.join(learn.path, "models"))
         else {},
@@ -517,6 +607,10 @@ def main(argv=None):
     ap.add_argument("--remote", default=None, help="with --auto: AutoCheckpoint(remote=URL)")
     ap.add_argument("--save-every", type=int, default=0, help="a user's callback saving `crash` every N batches")
     ap.add_argument("--branch-on-files", action="store_true", help="five: a between-stage load decided by the folder")
+    ap.add_argument("--between", default="validate", choices=BETWEEN, help="book: the call after stages 0 and 1")
+    ap.add_argument("--auto-in", type=int, default=-1, help="book: AutoCheckpoint given to this stage's call only")
+    ap.add_argument("--auto-in-every", type=int, default=4)
+    ap.add_argument("--keep-loaded-weights", action="store_true", help="book: negative control, `keep_loaded_weights`")
     ap.add_argument("--csv-append", action="store_true")
     ap.add_argument("--no-lr-find", action="store_true")
     ap.add_argument("--train-metrics", action="store_true")
@@ -546,7 +640,9 @@ def main(argv=None):
         learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward, **remote))
     if a.die:
         at = tuple(map(int, a.die.split(",")))
-        learn.add_cb(SaveAndDie(at, save=not (a.auto or a.auto_per_fit), order=a.die_order, event=a.die_event))
+        learn.add_cb(
+            SaveAndDie(at, save=not (a.auto or a.auto_per_fit or a.auto_in >= 0), order=a.die_order, event=a.die_event)
+        )
     if a.load:
         learn.load(a.load, fast_forward=a.fast_forward)
         if a.break_order:
@@ -558,7 +654,7 @@ def main(argv=None):
             tr = fastai_resume.script.script(learn).armed.train
             tr["rng_epoch"] = tr["rng"]
     with learn.no_bar():
-        recipe(learn, a)
+        learn = recipe(learn, a) or learn
     res = result(learn)
     if a.trace:
         res["trace"] = learn.trace.sums
