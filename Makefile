@@ -105,6 +105,7 @@ bench: build
 	$(PY) bench/scale.py
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py
 	$(PY) bench/sharded.py
+	$(PY) bench/llm.py
 	$(PY) bench/report.py
 
 clean:

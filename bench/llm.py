@@ -15,9 +15,10 @@ its moments. Then, at one batch boundary inside the fit, interleaved in each rou
   through `torch.save`, `trainer_state.json` (no fsync: the Trainer makes none);
 - `trainer + fsync`: the same files, each fsynced (what a durable save adds).
 
-Also: what the fingerprint pass alone costs (in a save and in a resume's check), and against the base's
-`from_pretrained` load (the issue's target: the check at most 10% of it); what a background snapshot
-holds in memory (the tensors of the tree it copies), delta against full.
+Also: what the fingerprint pass alone costs (in a save, in a resume's load, and as each stage begins: a
+resume pays the last two), against the base's `from_pretrained` load (the issue's target: the check at
+most 10% of it); what a background snapshot holds in memory (the tensors of the tree it copies), delta
+against full.
 
     python bench/llm.py [--rounds 7] [--layers 12]
 """
@@ -129,14 +130,14 @@ def main():
                 if not self.training or self.iter + 1 < self.n_iter:
                     return
                 learn = self.learn
-                held = [p for p in learn.model.parameters() if not p.requires_grad]
+                held = {k: p for k, p in learn.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
                 for r in range(a.rounds):
                     contenders = [
                         ("ours", lambda: learn.save("ours", with_iter=True)),
                         ("ours full", lambda: learn.save("full", with_iter=True, full=True)),
                         ("trainer", lambda: trainer_files(learn, os.path.join(work, "trainer"), False)),
                         ("trainer + fsync", lambda: trainer_files(learn, os.path.join(work, "trainer-s"), True)),
-                        ("fingerprints", lambda: frozen.fingerprints(dict(enumerate(held)))),
+                        ("fingerprints", lambda: frozen.fingerprints(held)),
                     ]
                     for name, run in contenders[r % len(contenders) :] + contenders[: r % len(contenders)]:
                         t = time.perf_counter()
@@ -146,7 +147,9 @@ def main():
                 sizes["ours"] = os.path.getsize(models / f"ours{fr.EXT}")
                 sizes["ours full"] = os.path.getsize(models / f"full{fr.EXT}")
                 sizes["trainer"] = folder_bytes(os.path.join(work, "trainer"))
-                sizes["base"] = sum(p.numel() * p.element_size() for p in held)
+                sizes["base"] = sum(
+                    p.numel() * p.element_size() for p in learn.model.parameters() if not p.requires_grad
+                )
                 snap["ours"] = tensor_bytes(checkpoint.build_tree(learn, with_iter=True))
                 snap["ours full"] = tensor_bytes(checkpoint.build_tree(learn, with_iter=True, full=True))
 
@@ -154,14 +157,16 @@ def main():
         with learn.no_bar(), learn.no_logging():
             learn.fit(1, 1e-3, cbs=Measure())
 
-        checks, resumes = [], []
+        checks, stage_bases, resumes = [], [], []
         path = learn.path / learn.model_dir / f"ours{fr.EXT}"
         tree = fr.load(path)
-        inner = learn.model
         for _ in range(a.rounds):
             t = time.perf_counter()
-            frozen.check(inner, tree, path)
+            frozen.check(learn.model, tree, path)
             checks.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            frozen.stage_began(learn)  # what each stage's start costs (a resumed one's check is against it)
+            stage_bases.append(time.perf_counter() - t)
             t = time.perf_counter()
             learn.load("ours", resume=False)
             resumes.append(time.perf_counter() - t)
@@ -180,6 +185,7 @@ def main():
             "snapshot_bytes": snap,
             "save_s": {k: common.stats(v) for k, v in times.items()},
             "check_s": common.stats(checks),
+            "stage_base_s": common.stats(stage_bases),
             "load_s": common.stats(resumes),
             "from_pretrained_s": common.stats(loads),
         },

@@ -402,15 +402,17 @@ def llm(res) -> str:
     for name, size, time_s, held in rows:
         out.append(f"| {name} | {mb(size)} | {ms(time_s)} | {mb(held) if held is not None else '—'} |")
     by, tt, tf = b["ours"] / b["trainer"], _ratio(t["ours"], t["trainer"]), _ratio(t["ours"], t["trainer + fsync"])
-    check, load = res["check_s"], res["from_pretrained_s"]
-    share = check["median"] / load["median"]
+    check, load, stage = res["check_s"], res["from_pretrained_s"], res["stage_base_s"]
+    resume = common.stats([x + y for x, y in zip(check["values"], stage["values"])])
+    share = resume["median"] / load["median"]
     out += [
         "",
         f"Ours against the Trainer's: {by:.2f}x the bytes (target at most 1.5x: {'met' if by <= 1.5 else 'not met'}), "
         f"{_mm(tt, fmt='{:.2f}x')} the save time without its fsync (target at most 2x: "
         f"{'met' if tt['median'] <= 2 else 'not met'}), {_mm(tf, fmt='{:.2f}x')} with it; the full file is "
         f"{b['ours full'] / b['ours']:,.0f}x the delta's bytes. The fingerprint pass over the frozen weights, "
-        f"alone: {ms(t['fingerprints'])} in each save. The resume's check: {ms(check)}, against "
+        f"alone: {ms(t['fingerprints'])} in each save. What a resume adds: the check at its load {ms(check)} and "
+        f"the fingerprints its stage begins with {ms(stage)}, together {ms(resume)}, against "
         f"{ms(load)} for the base's `from_pretrained` load, {100 * share:.0f}% of it (target at most 10%: "
         f"{'met' if share <= 0.10 else 'not met'}); the whole `learn.load` of the delta file {ms(res['load_s'])}.",
         "",
@@ -460,7 +462,10 @@ RENDER = {
     "llm": llm,
 }
 # Benchmarks whose block is in a page of docs/ rather than in the README (which links to the page).
-PAGES = {"sharded": os.path.join(HERE, "..", "docs", "sharded.md")}
+PAGES = {
+    "sharded": os.path.join(HERE, "..", "docs", "sharded.md"),
+    "llm": os.path.join(HERE, "..", "docs", "finetuning.md"),
+}
 # Summaries in the project's README.md of a benchmark whose whole table is on the benchmarks page:
 # block name -> (the benchmark whose result file it reads, its renderer).
 MAIN_README = os.path.join(HERE, "..", "README.md")

@@ -3,27 +3,29 @@
 Fine-tuning (LoRA adapters on a `transformers` model, fastai's `freeze()`d body) trains a small part of
 a model. A checkpoint's `model` holds every tensor training can change: each parameter with
 `requires_grad` (fastai's `train_bn` norms inside a frozen body among them, which a filter by name
-misses), every buffer, anything else in the state dict, and a frozen parameter whose bytes are not the
-ones its stage began with (merge code, an EMA written into the base, a callback writing `.data`,
-fastai's optimizer stepping a once-trained frozen parameter that still has a zero gradient). Each other
-frozen parameter is recorded in the tree's `frozen` by fingerprint, not written:
+misses), every buffer, anything else in the state dict, and any frozen parameter a rerun could not
+reproduce by itself. Each other frozen parameter is recorded in the tree's `frozen` by fingerprint:
 
     "frozen": {name: {"crc": CRC32C of its bytes, "shape": [...], "dtype": "float32"}}
 
-"The bytes the stage started with" are the base: the fingerprint of every parameter, taken as each stage
-of the script begins (`stage_began`, before a resume loads anything). Each save fingerprints the frozen
-parameters again (one CRC32C pass over them, the hardware instruction on every core: `bench/llm.py`
-measures it) and writes in full any that differ from the base; a rerun reaches that stage's start with
-the same state (the script's promise, `between`), so it finds the others as they were.
+A rerun reproduces a frozen tensor when it is what the stage began with (`stage_began` takes the
+fingerprints of the frozen parameters as each stage and each fit begins: the stage's base), and either
+every earlier stage's end state was kept (a rerun restores it: `between`) or the tensor is what the
+script's first stage began with (the script's base: a rerun that passes earlier stages without their end
+states still builds that). Anything else is held in full: a frozen tensor changed in place (merge code,
+an EMA written into the base, a callback writing `.data`, fastai's optimizer stepping a once-trained
+frozen parameter that still has a zero gradient), or one an earlier stage trained. Each save
+fingerprints the frozen parameters again (one CRC32C pass, the hardware instruction on every core:
+`bench/llm.py` measures it).
 
-A load checks each fingerprint against the learner before anything changes (`check`): another base, a
-missing or extra tensor, another shape or dtype is refused, naming the first tensor that differs. A
-load that arms a resume leaves the tensors that do not match yet to its fit's start (the script may load
-them in between, as `load_encoder` does); the resumed fit checks those, and any loaded into since
-(`recheck`), before it trains, and that the same parameters are frozen as when the checkpoint was saved
-(`trainstate`). `full=True` saves every tensor; `checkpoint.make_full` writes a delta file's
-self-contained twin from the learner it is checked against. A sharded (FSDP2) model's checkpoints hold
-every tensor: each rank writes only its part already.
+A load checks the referenced tensors against the learner (`check`): another base, a missing or extra
+tensor, another shape or dtype is refused, naming the first tensor that differs. A load that arms a
+resume changes nothing in the learner (its fit puts the checkpoint's state in); the tensors that do not
+match yet are said, as the script may still load them (`load_encoder`), and the resumed fit refuses to
+start, on every rank, unless each referenced tensor is what its stage began with (`recheck`) and the
+same parameters are frozen as when the checkpoint was saved (`trainstate`). `full=True` saves every
+tensor; `checkpoint.make_full` writes a delta file's self-contained twin from the learner it is checked
+against. A sharded (FSDP2) model's checkpoints hold every tensor: each rank writes only its part already.
 """
 
 from __future__ import annotations
@@ -39,13 +41,11 @@ from .script import script
 __all__ = [
     "fingerprints",
     "stage_began",
-    "base",
     "split",
     "validate",
     "stand_ins",
     "check",
     "recheck",
-    "versions",
     "is_delta",
 ]
 
@@ -60,54 +60,77 @@ def _bytes(t: torch.Tensor):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def _materialized(t) -> bool:
+    "A tensor with bytes to fingerprint (not a `LazyLinear`'s uninitialized parameter, nor on the meta device)."
+    from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
+
+    return not isinstance(t, (UninitializedParameter, UninitializedBuffer)) and t.device.type != "meta"
+
+
 def fingerprints(tensors: dict) -> dict:
-    "`{name: {crc, shape, dtype}}` of `{name: tensor}`, the CRCs on every core at once."
-    names = list(tensors)
-    crcs = io.crc32c_many([_bytes(tensors[k]) for k in names], _THREADS)
-    return {k: _fingerprint(tensors[k], c) for k, c in zip(names, crcs)}
+    """`{name: {crc, shape, dtype}}` of `{name: tensor}`: the CRCs of CPU tensors on every core at once, a
+    device tensor's through a host copy of its own (one at a time); a tensor under several names (tied
+    weights) is read once."""
+    key = lambda t: (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)  # noqa: E731
+    first: dict = {}
+    for k, t in tensors.items():
+        first.setdefault(key(t), k)
+    cpu = [k for k in first.values() if tensors[k].device.type == "cpu"]
+    crcs = dict(zip(cpu, io.crc32c_many([_bytes(tensors[k]) for k in cpu], _THREADS)))
+    for k in first.values():
+        if k not in crcs:
+            crcs[k] = io.crc32c_many([_bytes(tensors[k])], _THREADS)[0]
+    return {k: _fingerprint(t, crcs[first[key(t)]]) for k, t in tensors.items()}
 
 
 def _fingerprint(t: torch.Tensor, crc: int) -> dict:
     return {"crc": crc, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
 
-def _params(model) -> dict:
-    "The model's parameters by their state-dict name (a tied parameter under each of its names)."
-    return dict(model.named_parameters(remove_duplicate=False))
+def _frozen_params(model) -> dict:
+    "The frozen parameters by their state-dict names (a tied one under each of its names)."
+    return {k: p for k, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad and _materialized(p)}
 
 
-def stage_began(learn) -> None:
-    """A stage of the script begins: the fingerprints of every parameter now are the base its saves compare
-    the frozen ones against (before a resume's load: AutoCheckpoint's is a hook of the stage's start)."""
+def stage_began(learn, first_fit: bool = True) -> None:
+    """A stage (`first_fit`) or a fit of it begins: the frozen parameters' fingerprints now are its base
+    (those frozen since the stage began keep theirs); in the script's first stage, its base too."""
     from fastai.torch_core import get_model
 
-    model = get_model(learn.model)
-    script(learn).base = {} if dist.sharded(model) else fingerprints(_params(model))
-
-
-def base(learn) -> dict:
-    "The fingerprints the current stage began with (taken now for a save before any stage)."
     sc = script(learn)
-    if sc.base is None:
-        stage_began(learn)
-    return sc.base or {}
+    model = get_model(learn.model)
+    if dist.sharded(model):
+        sc.base = {}
+        return
+    known = {} if first_fit or sc.base is None else sc.base
+    now = _frozen_params(model)
+    sc.base = {**known, **fingerprints({k: p for k, p in now.items() if k not in known})}
+    if not sc.signatures:  # the script's first stage
+        sc.script_base = sc.base
 
 
 def split(learn, sd: dict, full: bool = False) -> tuple[dict, dict | None]:
     """The state dict `sd` of the learner's model as a checkpoint holds it: `(held, frozen)`, `frozen`
-    the fingerprints of the frozen parameters left out (None when every tensor is held)."""
+    the fingerprints of the frozen parameters a rerun reproduces (None when every tensor is held)."""
     from fastai.torch_core import get_model
 
     model = get_model(learn.model)
     if full or dist.sharded(model):
         return sd, None
-    params = _params(model)
-    frozen = {k: sd[k] for k, p in params.items() if k in sd and not p.requires_grad and _same(sd[k], p)}
+    frozen = {k: sd[k] for k, p in _frozen_params(model).items() if k in sd and _same(sd[k], p)}
     if not frozen:
         return sd, None
-    ref = base(learn)
-    now = fingerprints(frozen)
-    refs = {k: f for k, f in now.items() if ref.get(k) == f}  # changed since the base: held in full
+    sc = script(learn)
+    if sc.base is None:  # a save before any stage: what the learner holds now is what a rerun builds
+        stage_began(learn)
+    stage_base, script_base = sc.base or {}, sc.script_base or {}
+    at = sc.stage.index if sc.stage is not None else len(sc.signatures)
+    ends_kept = all(e is not None for e in sc.ends[:at])
+    refs = {
+        k: f
+        for k, f in fingerprints(frozen).items()
+        if stage_base.get(k) == f and (ends_kept or script_base.get(k) == f)
+    }
     if not refs:
         return sd, None
     return {k: v for k, v in sd.items() if k not in refs}, refs
@@ -134,20 +157,30 @@ def validate(tree, path) -> None:
     if not isinstance(refs, dict):
         raise CheckpointError(f"{path}: 'frozen' is a {type(refs).__name__}, expected a dict")
     for k, f in refs.items():
-        where = f"{path}: frozen[{k!r}]"
+        where = f"{path}: frozen[{k!r:.80}]"
         if not isinstance(k, str) or not isinstance(f, dict) or set(f) != {"crc", "shape", "dtype"}:
             raise CheckpointError(f"{where}: expected a name and {{crc, shape, dtype}}")
         crc, shape, dtype = f["crc"], f["shape"], f["dtype"]
         if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 1 << 32:
             raise CheckpointError(f"{where}.crc: expected a 32-bit checksum, got {crc!r:.40}")
-        if not isinstance(shape, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_NDIM
+            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 63 for n in shape)
         ):
-            raise CheckpointError(f"{where}.shape: expected a list of sizes, got {shape!r:.60}")
+            raise CheckpointError(f"{where}.shape: expected a list of at most {_MAX_NDIM} sizes, got {shape!r:.60}")
         if dtype not in _DTYPES:
             raise CheckpointError(f"{where}.dtype: {dtype!r:.40} is not a torch dtype")
+        n = io.TORCH_DTYPE_SIZE[dtype]
+        for d in shape:
+            n *= d
+            if n >= 1 << 63:
+                raise CheckpointError(f"{where}.shape: {shape!r:.60} is more than 2^63 bytes")
         if k in tree["model"]:
             raise CheckpointError(f"{where}: also held in 'model' (a tensor is either held or referenced)")
+
+
+_MAX_NDIM = 32  # the format's own bound on a tensor's dimensions (csrc/frk.h: FRK_MAX_NDIM)
 
 
 def stand_ins(refs: dict) -> dict:
@@ -156,15 +189,23 @@ def stand_ins(refs: dict) -> dict:
 
 
 def check(model, tree, path, defer: bool = False) -> dict | None:
-    """Check the frozen tensors `tree` references against `model`'s (its names, shapes and dtypes were
-    checked with the rest of the state dict): raise `CheckpointError` naming the first that differs, or,
-    `defer`, say so and leave them to `recheck` at the resumed fit's start (a script may load them
-    between its top and that fit, as `load_encoder` loads a classifier's encoder). Returns what `recheck`
-    needs then (None for a self-contained tree)."""
+    """Check the frozen tensors `tree` references against `model`'s (their shapes and dtypes were checked
+    with the rest of the state dict): raise `CheckpointError` naming the first that differs; `defer` (a
+    load that arms a resume, which changes nothing yet), say so and leave them to the resumed fit's
+    `recheck` (the script may load them before it, as `load_encoder` loads a classifier's encoder).
+    Returns the references (None for a self-contained tree)."""
     refs = tree.get("frozen")
     if not refs:
         return None
+    if dist.sharded(model):
+        raise CheckpointError(
+            f"{path} references {len(refs)} frozen tensors it does not hold, and this model is sharded: make a "
+            "self-contained file first with the unsharded learner (fastai_resume.make_full)"
+        )
     sd = model.state_dict()
+    missing = [k for k in refs if k not in sd]
+    if missing:
+        raise CheckpointError(f"{path}: this learner's model has no {missing[0]} (a frozen tensor the file references)")
     now = fingerprints({k: sd[k] for k in refs})
     pending = [k for k, want in refs.items() if now[k] != want]
     if pending and not defer:
@@ -172,36 +213,30 @@ def check(model, tree, path, defer: bool = False) -> dict | None:
     if pending:
         print(
             f"fastai_resume: {len(pending)} of the frozen tensors {path} references are not this learner's yet "
-            f"(the first: {pending[0]}); the resumed fit checks them as it starts"
+            f"(the first: {pending[0]}); the resumed fit starts only if they are by then"
         )
-    return {"refs": refs, "seen": versions(sd, refs), "pending": pending}
+    return refs
 
 
-def versions(sd: dict, names) -> dict:
-    """Where each tensor's memory is and how often it was changed in place through autograd's view of it
-    (`load_state_dict`, `copy_` under `no_grad`): what changes neither was not loaded into since."""
-    return {k: (sd[k].data_ptr(), sd[k]._version) for k in names}
+def recheck(learn, refs: dict | None, source) -> None:
+    """As a resumed fit starts (its stage's base just taken, nothing trained): each referenced tensor must be
+    what the stage began with, on every rank, or the fit is refused on every rank."""
+    from fastai.torch_core import get_model
 
-
-def recheck(model, checked: dict | None, source) -> None:
-    """At a resumed fit's start: the referenced tensors that did not match at the load or were loaded into
-    or replaced since (a between-stage `load`, a stage's end restored) are fingerprinted again; any that
-    differs is refused, before the fit trains."""
-    if not checked:
-        return
-    sd = model.state_dict()
-    missing = [k for k in checked["refs"] if k not in sd]
-    if missing:
-        raise CheckpointError(
-            f"{source}: this learner's model has no {missing[0]} (a frozen tensor the checkpoint references)"
-        )
-    now_at = versions(sd, checked["refs"])
-    moved = {k: sd[k] for k, v in now_at.items() if v != checked["seen"][k] or k in checked["pending"]}
-    if not moved:
-        return
-    for k, f in fingerprints(moved).items():
-        if f != checked["refs"][k]:
-            raise CheckpointError(_differs(source, k, checked["refs"][k], f) + " (checked as the resumed fit starts)")
+    bad = None
+    if refs:
+        base = script(learn).base or {}
+        sd = get_model(learn.model).state_dict()
+        missing = [k for k in refs if k not in sd]
+        if missing:
+            bad = f"{source}: this learner's model has no {missing[0]} (a frozen tensor the file references)"
+        else:
+            now = {**base, **fingerprints({k: sd[k] for k in refs if k not in base})}
+            k = next((k for k, want in refs.items() if now[k] != want), None)
+            if k is not None:
+                bad = _differs(source, k, refs[k], now[k]) + " (checked as the resumed fit starts)"
+    if dist.agree_any(1 if bad else 0):  # every rank refuses together, or none waits for the others
+        raise CheckpointError(bad or f"{source}: a frozen tensor it references differs on another rank")
 
 
 def _differs(path, name, want, got) -> str:

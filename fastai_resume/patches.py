@@ -170,12 +170,12 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
     tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
     train = tree.get("train")
     arms = resume and train is not None and not inside
-    # Stages to pass first: the learner stays the script's own until the resumed fit puts the checkpoint's
-    # state in, so each skipped stage's end state (whose frozen tensors are referenced, not held) is
-    # restored onto the learner the script built. A resume's frozen tensors are checked as its fit starts:
-    # the script may load them before it (load_encoder).
-    ahead = arms and train["position"]["stage"] > len(sc.signatures)
-    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=arms, apply=not ahead)
+    # A resume is validated here and changes nothing: the learner stays the script's own (what the
+    # uninterrupted run had at this line) until the resumed fit puts the checkpoint's state in. So each
+    # stage passed first ends in its own end state (whose frozen tensors are referenced, not held), each
+    # stage begins with the frozen tensors the uninterrupted run's began with, and the frozen tensors the
+    # checkpoint references are checked as its fit starts (the script may load them first: load_encoder).
+    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=arms, apply=not arms)
     if inside:
         return learn
     if arms:
@@ -183,12 +183,14 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
             print(f"fastai_resume: {path} replaces the armed {sc.armed.path}")
         # The resumed fit puts the checkpoint's model and optimizer back, whatever the script did to the
         # learner between here and that fit (stage ends restored, a named model loaded, load_encoder, its own
-        # code): the model's tensors are the tree's (load_state_dict copied them, unless stages are to be
-        # passed first), the optimizer uses the tree's in place, so it keeps a copy of those.
+        # code), from the tree the load read (the optimizer's copied: a fit before it must not change them).
         sc.armed = Armed(train, path, checkpoint.cloned(tree.get("opt")), fast_forward, tree["model"])
         sc.armed.frozen = checked
-        if ahead:
-            sc.armed.divergent = f"holds the script's own state, not the uninterrupted run's ({path.name} is armed)"
+        pos = train["position"]
+        print(
+            f"fastai_resume: {path} armed: the learner takes its state as stage {pos['stage']} resumes at epoch "
+            f"{pos['epoch']}, iteration {pos['iter']} (learn.load(..., resume=False) loads the weights now)"
+        )
     else:
         _between_load(
             learn, file, path, "loads " + ("without resuming" if train is not None else "a file saved outside a fit")

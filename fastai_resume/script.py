@@ -25,11 +25,12 @@ class Armed:
     Until then the script replays what the uninterrupted run did before that fit (`between`): `ends`,
     the end states of the stages it skips; `log`, its between-stage calls (`used`: those replayed);
     `divergent`, why the learner does not hold the uninterrupted run's state at this line (None when it
-    does). `model` and `opt` are the checkpoint's model and optimizer state: the resumed fit always puts
-    them back, so nothing the script does before it (a stage end restored, a named model loaded, its own
-    code) can change where it continues. `model` is the tree the load read (no copy; the peak memory is
-    the load's), held until that fit starts. `frozen`: what the load checked of the frozen tensors the
-    file references (`frozen.recheck` looks again as that fit starts)."""
+    does: the load changes nothing in the learner, so until a stage is passed without its end state it
+    does). `model` and `opt` are the checkpoint's model and optimizer state: the resumed fit puts them in,
+    so nothing the script does before it (a stage end restored, a named model loaded, its own code) can
+    change where it continues. `model` is the tree the load read (no copy; the peak memory is the
+    load's), held until that fit starts. `frozen`: the frozen tensors the file references
+    (`frozen.recheck` checks them as that fit starts)."""
 
     def __init__(self, train: dict, path: Path, opt: dict | None, fast_forward: bool = False, model=None):
         self.train, self.path, self.opt, self.fast_forward = train, path, opt, fast_forward
@@ -37,12 +38,9 @@ class Armed:
         self.ends: list = list(script.get("ends", []))
         self.log: list = list(script.get("log", []))
         self.used: set = set()
-        self.divergent: str | None = (
-            f"holds the state of {path.name} (saved in stage {self.position['stage']}, epoch "
-            f"{self.position['epoch']}, iteration {self.position['iter']})"
-        )
+        self.divergent: str | None = None  # (the load changed nothing: the learner is the script's own)
         self.model = model
-        self.frozen: dict | None = None  # the frozen tensors the load checked (`frozen.recheck` at the fit)
+        self.frozen: dict | None = None  # the frozen tensors the file references (`frozen.recheck` at the fit)
 
     @property
     def position(self) -> dict:
@@ -68,7 +66,8 @@ class Script:
         self.interrupted: Interrupted | None = None
         self.ends: list = []  # per finished stage: its end state's file {file, token}, or None (`between`)
         self.log: list = []  # the between-stage calls of the script (`between.note`)
-        self.base: dict | None = None  # the parameters' fingerprints as the script built them (`frozen.base`)
+        self.base: dict | None = None  # the frozen parameters' fingerprints as the stage began (`frozen`)
+        self.script_base: dict | None = None  # ... as the script's first stage began (`frozen`)
         # AutoCheckpoint runs of this script, by (folder, fname, run id): shared by every instance of
         # one run (a new AutoCheckpoint passed to each fit call is the same run, its files named alike).
         self.autosave_runs: dict = {}

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastai.callback.core import Callback
-from fastai.torch_core import get_model
 from fastcore.foundation import L
 
 from . import _core, callbacks, check, dist, frozen, loaders, sharded, state, trainstate
@@ -277,6 +276,7 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
     "One fit of stage `st`: skipped, resumed or run, with its `ResumeSession`."
     fit_index = st.fits
     st.fits += 1
+    frozen.stage_began(learn, first_fit=False)  # a parameter the stage froze since it began (fine_tune's freeze)
     if not start_epoch:
         start_epoch = st.start_epoch
     if start_iter is None:
@@ -307,7 +307,7 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
     if saved is not None and not explicit:
         _check_same_fit(learn, pos, n_epoch)  # raises: still armed
     if saved is not None:
-        frozen.recheck(get_model(learn.model), a.frozen, a.path)  # raises: still armed
+        frozen.recheck(learn, a.frozen, a.path)  # raises (on every rank): still armed
     if a is not None:  # consumed by this fit: the log of the calls replayed before it is the script's own again
         sc.log = [ev for ev in a.log if ev["at"] <= st.index]
     sc.armed = None

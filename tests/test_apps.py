@@ -114,9 +114,9 @@ def test_vision_fine_tune_killed_in_its_frozen_epoch_is_exact_and_its_checkpoint
 
 def test_text_negative_control_a_resume_without_its_rng_state_differs(tmp_root, tmp_path):
     ref, _ = app_reference(tmp_root, "text")
-    res, log = crash_and_rerun(tmp_path, "text", TEXT_KILLS["clas-1"], "manual", "--break-rng")
+    res, log = crash_and_rerun(tmp_path, "text", TEXT_KILLS["lm-1"], "manual", "--break-rng")
     assert "resuming" in log
-    assert not equal(ref["clas"]["model"], res["clas"]["model"])
+    assert not equal(ref["lm"]["model"], res["lm"]["model"])
 
 
 @pytest.mark.slow

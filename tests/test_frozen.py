@@ -134,15 +134,48 @@ def test_a_resumed_fit_with_another_frozen_set_is_refused_and_the_same_set_resum
     assert equal(same.model.state_dict(), trained(tmp_path / "ref").model.state_dict())
 
 
-def test_a_referenced_tensor_loaded_into_after_the_load_is_checked_again_at_the_resumed_fit(tmp_path):
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda w: torch.no_grad()(w.copy_)(torch.zeros(37, 64)),  # as a load_state_dict would
+        lambda w: w.data.add_(1),  # no autograd, no version counter: only its bytes tell
+    ],
+    ids=["copy", "data"],
+)
+def test_a_referenced_tensor_changed_after_the_load_is_refused_as_the_resumed_fit_starts(tmp_path, write):
     trained(tmp_path, cbs=[SaveAt()])
     fresh = frozen_learner(tmp_path)
     fresh.load("mid")
-    with torch.no_grad():
-        fresh.model[0].weight.copy_(torch.zeros(37, 64))  # as a load_state_dict between them would
+    write(fresh.model[0].weight)
     with pytest.raises(fr.CheckpointError, match=r"0.weight is not the one .*\(checked as the resumed fit starts\)"):
         with fresh.no_bar(), fresh.no_logging():
             fresh.fit(1, 1e-2)
+
+
+def test_a_load_that_arms_a_resume_changes_nothing_until_the_fit_and_another_base_is_refused_there(tmp_path):
+    ref = trained(tmp_path, cbs=[SaveAt()])
+    other = frozen_learner(tmp_path)
+    other.model[0].bias.data.add_(1)  # another base
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    other.load("mid")  # said, not refused: the script may load the base before the fit
+    assert equal(other.model.state_dict(), before) and fr.script.script(other).armed is not None
+    with pytest.raises(fr.CheckpointError, match="the frozen tensor 0.bias is not the one"):
+        with other.no_bar(), other.no_logging():
+            other.fit(1, 1e-2)
+    assert equal(other.model.state_dict(), before)  # refused before anything was put in or trained
+    same = frozen_learner(tmp_path)
+    same.load("mid")
+    with same.no_bar(), same.no_logging():
+        same.fit(1, 1e-2)
+    assert equal(same.model.state_dict(), ref.model.state_dict())
+
+
+def test_a_model_with_a_lazy_layer_fits_and_saves(tmp_path):
+    learn = build(tmp_path)
+    learn.model[0] = torch.nn.LazyLinear(128)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=[SaveAt()])
+    assert "0.weight" in fr.load(tmp_path / "models" / "mid.frk")["model"]
 
 
 def test_full_true_and_make_full_give_a_self_contained_file(tmp_path):
@@ -172,8 +205,10 @@ def hostile(tree, **frozen_entry):
         (lambda t: hostile(t, crc=-1), r"frozen\['0.weight'\].crc: expected a 32-bit checksum"),
         (lambda t: hostile(t, crc=1 << 32), r"frozen\['0.weight'\].crc: expected a 32-bit checksum"),
         (lambda t: hostile(t, crc="0"), r"frozen\['0.weight'\].crc: expected a 32-bit checksum"),
-        (lambda t: hostile(t, shape=[37, -64]), r"frozen\['0.weight'\].shape: expected a list of sizes"),
+        (lambda t: hostile(t, shape=[37, -64]), r"frozen\['0.weight'\].shape: expected a list of at most 32 sizes"),
         (lambda t: hostile(t, dtype="float99"), r"frozen\['0.weight'\].dtype: 'float99' is not a torch dtype"),
+        (lambda t: hostile(t, shape=[1 << 62, 1 << 62]), r"frozen\['0.weight'\].shape: .* is more than 2\^63 bytes"),
+        (lambda t: hostile(t, shape=[1] * 33), r"frozen\['0.weight'\].shape: expected a list of at most 32 sizes"),
         (lambda t: {**hostile(t), "frozen": {**t["frozen"], "0.weight": [1, 2]}}, r"expected a name and \{crc"),
         (lambda t: {**t, "frozen": [1]}, "'frozen' is a list, expected a dict"),
         (
@@ -181,7 +216,18 @@ def hostile(tree, **frozen_entry):
             r"frozen\['0.weight'\]: also held in 'model'",
         ),
     ],
-    ids=["crc-negative", "crc-too-big", "crc-str", "shape-negative", "dtype", "entry-list", "frozen-list", "held-too"],
+    ids=[
+        "crc-negative",
+        "crc-too-big",
+        "crc-str",
+        "shape-negative",
+        "dtype",
+        "shape-huge",
+        "shape-many-dims",
+        "entry-list",
+        "frozen-list",
+        "held-too",
+    ],
 )
 def test_a_malformed_frozen_field_is_refused_naming_it(tmp_path, edit, says):
     learn = trained(tmp_path)
