@@ -88,6 +88,7 @@ def main():
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder on the disk)")
     a = ap.parse_args()
 
+    import fastai.callback.progress  # noqa: F401  (Learner.no_bar)
     import torch
     from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
@@ -157,13 +158,16 @@ def main():
         with learn.no_bar(), learn.no_logging():
             learn.fit(1, 1e-3, cbs=Measure())
 
-        checks, stage_bases, resumes = [], [], []
+        checks, armed, stage_bases, resumes = [], [], [], []
         path = learn.path / learn.model_dir / f"ours{fr.EXT}"
         tree = fr.load(path)
         for _ in range(a.rounds):
             t = time.perf_counter()
-            frozen.check(learn.model, tree, path)
+            frozen.check(learn.model, tree, path)  # a plain load's (resume=False)
             checks.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            frozen.check(learn.model, tree, path, defer=True)  # a load that arms a resume
+            armed.append(time.perf_counter() - t)
             t = time.perf_counter()
             frozen.stage_began(learn)  # what each stage's start costs (a resumed one's check is against it)
             stage_bases.append(time.perf_counter() - t)
@@ -185,6 +189,7 @@ def main():
             "snapshot_bytes": snap,
             "save_s": {k: common.stats(v) for k, v in times.items()},
             "check_s": common.stats(checks),
+            "armed_check_s": common.stats(armed),
             "stage_base_s": common.stats(stage_bases),
             "load_s": common.stats(resumes),
             "from_pretrained_s": common.stats(loads),

@@ -402,8 +402,8 @@ def llm(res) -> str:
     for name, size, time_s, held in rows:
         out.append(f"| {name} | {mb(size)} | {ms(time_s)} | {mb(held) if held is not None else '—'} |")
     by, tt, tf = b["ours"] / b["trainer"], _ratio(t["ours"], t["trainer"]), _ratio(t["ours"], t["trainer + fsync"])
-    check, load, stage = res["check_s"], res["from_pretrained_s"], res["stage_base_s"]
-    resume = common.stats([x + y for x, y in zip(check["values"], stage["values"])])
+    check, armed, load, stage = res["check_s"], res["armed_check_s"], res["from_pretrained_s"], res["stage_base_s"]
+    resume = common.stats([x + y for x, y in zip(armed["values"], stage["values"])])
     share = resume["median"] / load["median"]
     out += [
         "",
@@ -411,10 +411,12 @@ def llm(res) -> str:
         f"{_mm(tt, fmt='{:.2f}x')} the save time without its fsync (target at most 2x: "
         f"{'met' if tt['median'] <= 2 else 'not met'}), {_mm(tf, fmt='{:.2f}x')} with it; the full file is "
         f"{b['ours full'] / b['ours']:,.0f}x the delta's bytes. The fingerprint pass over the frozen weights, "
-        f"alone: {ms(t['fingerprints'])} in each save. What a resume adds: the check at its load {ms(check)} and "
-        f"the fingerprints its stage begins with {ms(stage)}, together {ms(resume)}, against "
-        f"{ms(load)} for the base's `from_pretrained` load, {100 * share:.0f}% of it (target at most 10%: "
-        f"{'met' if share <= 0.10 else 'not met'}); the whole `learn.load` of the delta file {ms(res['load_s'])}.",
+        f"alone: {ms(t['fingerprints'])} in each save. What a resume adds: its load's check of names, shapes "
+        f"and dtypes {ms(armed)}, and the fingerprints its stage begins with (which the resumed fit checks the "
+        f"references against) {ms(stage)}, together {ms(resume)}, against {ms(load)} for the base's "
+        f"`from_pretrained` load: {100 * share:.0f}% of it (target at most 10%: "
+        f"{'met' if share <= 0.10 else 'not met'}). A plain load's check (`resume=False`: every referenced byte "
+        f"read) {ms(check)}; the whole `learn.load` of the delta file {ms(res['load_s'])}.",
         "",
         machine_line(res),
     ]

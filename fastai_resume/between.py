@@ -311,7 +311,9 @@ def _restore(learn, sc, st) -> None:
             if not isinstance(end, dict) or end.get("token") != ref["token"]:
                 raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")
             trainstate.validate_end(end, path, len(list(learn.model.parameters())))
-            checkpoint.load_tree(learn, path, tree, getattr(learn.dls, "device", None), True, True)
+            # (nothing changed the frozen parameters since the skipped stage began and took their fingerprints)
+            dev = getattr(learn.dls, "device", None)
+            checkpoint.load_tree(learn, path, tree, dev, True, True, known=sc.base)
             trainstate.restore_end(learn, end)
             _print_rows(learn, end)
         except (CheckpointError, OSError) as e:

@@ -193,16 +193,17 @@ def check(tree, path) -> None:
             raise CheckpointError(f"{path}: {e}") from None
 
 
-def load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=False, apply=True) -> dict | None:
+def load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=False, apply=True, known=None) -> dict | None:
     """Model and optimizer from a validated tree; nothing is changed unless everything fits (the frozen
     tensors it references included, unless `defer_frozen`: a resume checks them as its fit starts), and
-    nothing at all unless `apply` (validated only: a resume's fit puts them in). Returns what
+    nothing at all unless `apply` (validated only: a resume's fit puts them in); `known`: fingerprints of
+    the frozen parameters nothing changed since (`frozen.check`). Returns what
     the frozen tensors it references (None for a self-contained tree)."""
     from fastai.torch_core import get_model, to_device
 
     model = get_model(learn.model)
     model_mismatch_or_raise(model, tree, path, strict)
-    checked = frozen.check(model, tree, path, defer=defer_frozen)
+    checked = frozen.check(model, tree, path, defer=defer_frozen, known=known)
     bad = strict and trainstate.grads_mismatch(tree.get("train") or {}, len(list(learn.model.parameters())))
     if bad:  # (strict=False: checked when a resume restores them)
         raise CheckpointError(f"{path}: malformed training state: {bad}")

@@ -20,10 +20,11 @@ fingerprints the frozen parameters again (one CRC32C pass, the hardware instruct
 
 A load checks the referenced tensors against the learner (`check`): another base, a missing or extra
 tensor, another shape or dtype is refused, naming the first tensor that differs. A load that arms a
-resume changes nothing in the learner (its fit puts the checkpoint's state in); the tensors that do not
-match yet are said, as the script may still load them (`load_encoder`), and the resumed fit refuses to
-start, on every rank, unless each referenced tensor is what its stage began with (`recheck`) and the
-same parameters are frozen as when the checkpoint was saved (`trainstate`). `full=True` saves every
+resume changes nothing in the learner (its fit puts the checkpoint's state in) and checks names, shapes
+and dtypes only, as the script may still load the frozen tensors (`load_encoder`): the resumed fit
+refuses to start, on every rank, unless each referenced tensor is what its stage began with (`recheck`,
+against the fingerprints the stage took anyway) and the same parameters are frozen as when the
+checkpoint was saved (`trainstate`). `full=True` saves every
 tensor; `checkpoint.make_full` writes a delta file's self-contained twin from the learner it is checked
 against. A sharded (FSDP2) model's checkpoints hold every tensor: each rank writes only its part already.
 """
@@ -188,12 +189,13 @@ def stand_ins(refs: dict) -> dict:
     return {k: torch.empty(f["shape"], dtype=getattr(torch, f["dtype"]), device="meta") for k, f in refs.items()}
 
 
-def check(model, tree, path, defer: bool = False) -> dict | None:
+def check(model, tree, path, defer: bool = False, known: dict | None = None) -> dict | None:
     """Check the frozen tensors `tree` references against `model`'s (their shapes and dtypes were checked
-    with the rest of the state dict): raise `CheckpointError` naming the first that differs; `defer` (a
-    load that arms a resume, which changes nothing yet), say so and leave them to the resumed fit's
-    `recheck` (the script may load them before it, as `load_encoder` loads a classifier's encoder).
-    Returns the references (None for a self-contained tree)."""
+    with the rest of the state dict): raise `CheckpointError` naming the first that differs. `known`:
+    fingerprints taken since nothing changed them (a skipped stage's base, at its end). `defer` (a load
+    that arms a resume, which changes nothing yet): only that the model has them; the resumed fit's
+    `recheck` compares them with its stage's base (the script may load them before it, as `load_encoder`
+    loads a classifier's encoder). Returns the references (None for a self-contained tree)."""
     refs = tree.get("frozen")
     if not refs:
         return None
@@ -206,15 +208,13 @@ def check(model, tree, path, defer: bool = False) -> dict | None:
     missing = [k for k in refs if k not in sd]
     if missing:
         raise CheckpointError(f"{path}: this learner's model has no {missing[0]} (a frozen tensor the file references)")
-    now = fingerprints({k: sd[k] for k in refs})
-    pending = [k for k, want in refs.items() if now[k] != want]
-    if pending and not defer:
-        raise CheckpointError(_differs(path, pending[0], refs[pending[0]], now[pending[0]]))
-    if pending:
-        print(
-            f"fastai_resume: {len(pending)} of the frozen tensors {path} references are not this learner's yet "
-            f"(the first: {pending[0]}); the resumed fit starts only if they are by then"
-        )
+    if defer:
+        return refs
+    known = {k: f for k, f in (known or {}).items() if k in refs}
+    now = {**known, **fingerprints({k: sd[k] for k in refs if k not in known})}
+    k = next((k for k, want in refs.items() if now[k] != want), None)
+    if k is not None:
+        raise CheckpointError(_differs(path, k, refs[k], now[k]))
     return refs
 
 
