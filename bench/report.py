@@ -404,19 +404,20 @@ def llm(res) -> str:
     by, tt, tf = b["ours"] / b["trainer"], _ratio(t["ours"], t["trainer"]), _ratio(t["ours"], t["trainer + fsync"])
     check, armed, load, stage = res["check_s"], res["armed_check_s"], res["from_pretrained_s"], res["stage_base_s"]
     resume = common.stats([x + y for x, y in zip(armed["values"], stage["values"])])
-    share = resume["median"] / load["median"]
+    share, auto = resume["median"] / load["median"], stage["median"] / load["median"]
     out += [
         "",
         f"Ours against the Trainer's: {by:.2f}x the bytes (target at most 1.5x: {'met' if by <= 1.5 else 'not met'}), "
         f"{_mm(tt, fmt='{:.2f}x')} the save time without its fsync (target at most 2x: "
         f"{'met' if tt['median'] <= 2 else 'not met'}), {_mm(tf, fmt='{:.2f}x')} with it; the full file is "
         f"{b['ours full'] / b['ours']:,.0f}x the delta's bytes. The fingerprint pass over the frozen weights, "
-        f"alone: {ms(t['fingerprints'])} in each save. What a resume adds: its load's check of names, shapes "
-        f"and dtypes {ms(armed)}, and the fingerprints its stage begins with (which the resumed fit checks the "
-        f"references against) {ms(stage)}, together {ms(resume)}, against {ms(load)} for the base's "
-        f"`from_pretrained` load: {100 * share:.0f}% of it (target at most 10%: "
-        f"{'met' if share <= 0.10 else 'not met'}). A plain load's check (`resume=False`: every referenced byte "
-        f"read) {ms(check)}; the whole `learn.load` of the delta file {ms(res['load_s'])}.",
+        f"alone: {ms(t['fingerprints'])} in each save. What a resume adds: the fingerprints its stage begins "
+        f"with, which the resumed fit checks the references against, {ms(stage)}; resumed by `learn.load` at the "
+        f"top of the script, also that load's check {ms(armed)}: together {ms(resume)}, against {ms(load)} for "
+        f"the base's `from_pretrained` load: {100 * auto:.0f}% of it with AutoCheckpoint (whose load, as the stage "
+        f"begins, uses the stage's fingerprints), {100 * share:.0f}% by hand (target at most 10%: "
+        f"{'met' if share <= 0.10 else 'not met'}). A plain load's check (`resume=False`) {ms(check)}; the "
+        f"whole `learn.load` of the delta file {ms(res['load_s'])}.",
         "",
         machine_line(res),
     ]

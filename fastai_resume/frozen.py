@@ -46,6 +46,8 @@ __all__ = [
     "validate",
     "stand_ins",
     "check",
+    "not_yet",
+    "held_frozen",
     "recheck",
     "is_delta",
 ]
@@ -216,6 +218,27 @@ def check(model, tree, path, defer: bool = False, known: dict | None = None) -> 
     if k is not None:
         raise CheckpointError(_differs(path, k, refs[k], now[k]))
     return refs
+
+
+def not_yet(model, tree, known: dict | None = None) -> list:
+    "The referenced tensors `model` does not hold yet (their names), `known` as in `check`."
+    refs = tree.get("frozen") or {}
+    if not refs or dist.sharded(model):
+        return []
+    sd = model.state_dict()
+    known = {k: f for k, f in (known or {}).items() if k in refs}
+    now = {**known, **fingerprints({k: sd[k] for k in refs if k in sd and k not in known})}
+    return [k for k, want in refs.items() if now.get(k) != want]
+
+
+def held_frozen(model, tree) -> list:
+    """The parameters a checkpoint saved mid-fit holds though they were frozen then (changed in place, or
+    trained by an earlier stage whose end state was not kept): their stage must begin without them."""
+    trainable = (tree.get("train") or {}).get("trainable")
+    if not trainable:
+        return []
+    names = [k for k, _ in model.named_parameters()]
+    return [k for k, t in zip(names, trainable) if not t and k in tree["model"]]
 
 
 def recheck(learn, refs: dict | None, source) -> None:

@@ -31,7 +31,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import between, checkpoint, dist, io, paths, remote, sharded, state
+from . import between, checkpoint, dist, frozen, io, paths, remote, sharded, state
 from ._hooks import imported
 from .compat import check_fastai_version
 from .fastai_classes import fastai_class, is_a
@@ -170,12 +170,8 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
     tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
     train = tree.get("train")
     arms = resume and train is not None and not inside
-    # A resume is validated here and changes nothing: the learner stays the script's own (what the
-    # uninterrupted run had at this line) until the resumed fit puts the checkpoint's state in. So each
-    # stage passed first ends in its own end state (whose frozen tensors are referenced, not held), each
-    # stage begins with the frozen tensors the uninterrupted run's began with, and the frozen tensors the
-    # checkpoint references are checked as its fit starts (the script may load them first: load_encoder).
-    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=arms, apply=not arms)
+    later = _not_now(learn, sc, tree) if arms else None
+    checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=arms, apply=later is None)
     if inside:
         return learn
     if arms:
@@ -186,16 +182,37 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
         # code), from the tree the load read (the optimizer's copied: a fit before it must not change them).
         sc.armed = Armed(train, path, checkpoint.cloned(tree.get("opt")), fast_forward, tree["model"])
         sc.armed.frozen = checked
-        pos = train["position"]
-        print(
-            f"fastai_resume: {path} armed: the learner takes its state as stage {pos['stage']} resumes at epoch "
-            f"{pos['epoch']}, iteration {pos['iter']} (learn.load(..., resume=False) loads the weights now)"
-        )
+        if later is not None:  # the learner is the script's own: what the uninterrupted run had at this line
+            sc.armed.divergent = None
+            print(f"fastai_resume: {path} armed; the learner takes its state as its fit resumes ({later})")
     else:
         _between_load(
             learn, file, path, "loads " + ("without resuming" if train is not None else "a file saved outside a fit")
         )
     return learn
+
+
+def _not_now(learn, sc, tree) -> str | None:
+    """Why a load that arms a resume leaves the learner as it is (the resumed fit puts the checkpoint's
+    model and optimizer in as it starts, whatever ran before it), or None: it loads them now, as fastai's
+    load does. Left as it is: for stages to pass first (each is to end in its own end state, whose frozen
+    tensors are referenced, on the learner the script built), where the learner does not hold every frozen
+    tensor the file references yet (another base, or one the script loads before the fit: load_encoder;
+    the fit refuses unless it then does), or where the file holds frozen tensors its stage changed (the
+    stage is to begin with the script's own, as the uninterrupted run's did)."""
+    from fastai.torch_core import get_model
+
+    if tree["train"]["position"]["stage"] > len(sc.signatures):
+        return "stages come first"
+    model = get_model(learn.model)
+    # (inside a stage's beginning, AutoCheckpoint's load: the stage's fingerprints were just taken)
+    pending = frozen.not_yet(model, tree, known=sc.base if sc.stage is not None else None)
+    if pending:
+        return f"{len(pending)} of the frozen tensors it references are not this learner's yet, the first {pending[0]}"
+    held = frozen.held_frozen(model, tree)
+    if held:
+        return f"it holds frozen tensors its stage changed, the first {held[0]}"
+    return None
 
 
 def _between_load(learn, file, path, why, op="load") -> None:

@@ -25,8 +25,8 @@ class Armed:
     Until then the script replays what the uninterrupted run did before that fit (`between`): `ends`,
     the end states of the stages it skips; `log`, its between-stage calls (`used`: those replayed);
     `divergent`, why the learner does not hold the uninterrupted run's state at this line (None when it
-    does: the load changes nothing in the learner, so until a stage is passed without its end state it
-    does). `model` and `opt` are the checkpoint's model and optimizer state: the resumed fit puts them in,
+    does: where the load left the learner as it was, until a stage is passed without its end state).
+    `model` and `opt` are the checkpoint's model and optimizer state: the resumed fit puts them in,
     so nothing the script does before it (a stage end restored, a named model loaded, its own code) can
     change where it continues. `model` is the tree the load read (no copy; the peak memory is the
     load's), held until that fit starts. `frozen`: the frozen tensors the file references
@@ -38,7 +38,10 @@ class Armed:
         self.ends: list = list(script.get("ends", []))
         self.log: list = list(script.get("log", []))
         self.used: set = set()
-        self.divergent: str | None = None  # (the load changed nothing: the learner is the script's own)
+        self.divergent: str | None = (
+            f"holds the state of {path.name} (saved in stage {self.position['stage']}, epoch "
+            f"{self.position['epoch']}, iteration {self.position['iter']})"
+        )
         self.model = model
         self.frozen: dict | None = None  # the frozen tensors the file references (`frozen.recheck` at the fit)
 

@@ -313,6 +313,7 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
     sc.armed = None
     if explicit and saved is not None and (target != (pos["epoch"], pos["iter"]) or pos["world_size"] != dist.world()):
         saved = None  # another position or sharding: the model and optimizer, not the saved state
+        trainstate.put_state(learn, a.model, a.opt)
     s = ResumeSession(
         FitPlan(
             sc,

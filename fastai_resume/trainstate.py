@@ -435,19 +435,25 @@ def _on_training_device(learn, tree):
     return tree if torch.device(dev).type == "cpu" else to_device(tree, dev)
 
 
+def put_state(learn, model_state=None, opt_state=None) -> None:
+    """An armed checkpoint's model and optimizer state into the learner (validated at its load; a delta
+    file's frozen tensors are the learner's already)."""
+    if model_state is not None:
+        from fastai.torch_core import get_model
+
+        # the keys the load validated (with its `strict`; a `strict=False` load may have fewer)
+        get_model(learn.model).load_state_dict(model_state, strict=False)
+    if opt_state is not None:
+        learn.opt.load_state_dict(state.opt_state_for(learn.opt, _on_training_device(learn, opt_state)))
+
+
 def restore_fit(learn, sv: dict, source, model_state=None, opt_state=None) -> list:
     """At a resumed fit's start (after the callbacks' own `before_fit`): the model when stages passed
     before replaced it, the optimizer (again: a wrapper may have cleared it, as fine_tune's freeze
     does), the gradients, the hyper-parameters (fit() has just reset the learning rate and weight
     decay), the Recorder and the callbacks. Returns the printed rows of the finished epochs."""
     _check_trainable(learn, sv.get("trainable"), source)
-    if model_state is not None:  # (validated at the load; a delta file's frozen tensors are the learner's)
-        from fastai.torch_core import get_model
-
-        # the keys the load validated and put in (with its `strict`; a `strict=False` load may have fewer)
-        get_model(learn.model).load_state_dict(model_state, strict=False)
-    if opt_state is not None:
-        learn.opt.load_state_dict(state.opt_state_for(learn.opt, _on_training_device(learn, opt_state)))
+    put_state(learn, model_state, opt_state)
     bad = grads_mismatch(sv, len(list(learn.model.parameters())))
     if bad:
         raise CheckpointError(f"{source}: malformed training state: {bad}")

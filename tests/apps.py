@@ -384,7 +384,8 @@ def main(argv=None):
 
     set_seed(42)
     if a.no_base_check:
-        fastai_resume.frozen.check = lambda model, tree, path, defer=False: None
+        fastai_resume.frozen.check = lambda model, tree, path, **kw: None
+        fastai_resume.frozen.not_yet = lambda model, tree, **kw: []
         fastai_resume.frozen.recheck = lambda model, checked, source: None
     st, out = Stages(a), {}
     if a.app == "unet":
