@@ -20,11 +20,12 @@ fingerprints the frozen parameters again (one CRC32C pass, the hardware instruct
 
 A load checks the referenced tensors against the learner (`check`): another base, a missing or extra
 tensor, another shape or dtype is refused, naming the first tensor that differs. A load that arms a
-resume changes nothing in the learner (its fit puts the checkpoint's state in) and checks names, shapes
-and dtypes only, as the script may still load the frozen tensors (`load_encoder`): the resumed fit
-refuses to start, on every rank, unless each referenced tensor is what its stage began with (`recheck`,
-against the fingerprints the stage took anyway) and the same parameters are frozen as when the
-checkpoint was saved (`trainstate`). `full=True` saves every
+resume checks names, shapes and dtypes only, and, where the learner does not hold every referenced
+tensor yet (`not_yet`: the script may load them before the fit, as `load_encoder` does) or the file
+holds frozen tensors its stage changed (`held_frozen`), changes nothing in the learner (`patches`): the
+resumed fit puts the checkpoint's state in, and refuses to start, on every rank, unless each referenced
+tensor is what its stage began with (`recheck`, against the fingerprints the stage took anyway) and the
+same parameters are frozen as when the checkpoint was saved (`trainstate`). `full=True` saves every
 tensor; `checkpoint.make_full` writes a delta file's self-contained twin from the learner it is checked
 against. A sharded (FSDP2) model's checkpoints hold every tensor: each rank writes only its part already.
 """

@@ -305,8 +305,10 @@ def train(learn, a, fit_cbs):
         if a.shared_buffers:  # negative control under --fsdp: rank 0's BatchNorm statistics on every rank
             import torch.distributed as D
 
-            for b in learn.model.buffers():
-                D.broadcast(b, 0)
+            armed = fastai_resume.script.script(learn).armed  # (the resumed fit puts its model in)
+            for name, _ in learn.model.named_buffers():
+                if isinstance(armed.model.get(name), torch.Tensor):
+                    D.broadcast(armed.model[name], 0)
     shown = shown_warnings() if a.show_warnings else contextlib.nullcontext()
     with shown, learn.no_bar():
         if a.method == "fit_one_cycle":
