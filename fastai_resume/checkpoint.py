@@ -197,8 +197,8 @@ def load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=False, a
     """Model and optimizer from a validated tree; nothing is changed unless everything fits (the frozen
     tensors it references included, unless `defer_frozen`: a resume checks them as its fit starts), and
     nothing at all unless `apply` (validated only: a resume's fit puts them in); `known`: fingerprints of
-    the frozen parameters nothing changed since (`frozen.check`). Returns what
-    the frozen tensors it references (None for a self-contained tree)."""
+    the frozen parameters nothing changed since (`frozen.check`). Returns the frozen tensors it
+    references (None for a self-contained tree)."""
     from fastai.torch_core import get_model, to_device
 
     model = get_model(learn.model)

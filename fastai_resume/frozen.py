@@ -213,12 +213,17 @@ def check(model, tree, path, defer: bool = False, known: dict | None = None) -> 
         raise CheckpointError(f"{path}: this learner's model has no {missing[0]} (a frozen tensor the file references)")
     if defer:
         return refs
-    known = {k: f for k, f in (known or {}).items() if k in refs}
-    now = {**known, **fingerprints({k: sd[k] for k in refs if k not in known})}
+    now = _now(sd, refs, known)
     k = next((k for k, want in refs.items() if now[k] != want), None)
     if k is not None:
         raise CheckpointError(_differs(path, k, refs[k], now[k]))
     return refs
+
+
+def _now(sd: dict, refs: dict, known: dict | None) -> dict:
+    "The fingerprints of the state dict's referenced tensors (those in `known` not read again)."
+    known = {k: f for k, f in (known or {}).items() if k in refs}
+    return {**known, **fingerprints({k: sd[k] for k in refs if k in sd and k not in known})}
 
 
 def not_yet(model, tree, known: dict | None = None) -> list:
@@ -226,9 +231,7 @@ def not_yet(model, tree, known: dict | None = None) -> list:
     refs = tree.get("frozen") or {}
     if not refs or dist.sharded(model):
         return []
-    sd = model.state_dict()
-    known = {k: f for k, f in (known or {}).items() if k in refs}
-    now = {**known, **fingerprints({k: sd[k] for k in refs if k in sd and k not in known})}
+    now = _now(model.state_dict(), refs, known)
     return [k for k, want in refs.items() if now.get(k) != want]
 
 
@@ -255,7 +258,7 @@ def recheck(learn, refs: dict | None, source) -> None:
         if missing:
             bad = f"{source}: this learner's model has no {missing[0]} (a frozen tensor the file references)"
         else:
-            now = {**base, **fingerprints({k: sd[k] for k in refs if k not in base})}
+            now = _now(sd, refs, base)
             k = next((k for k, want in refs.items() if now[k] != want), None)
             if k is not None:
                 bad = _differs(source, k, refs[k], now[k]) + " (checked as the resumed fit starts)"
