@@ -34,7 +34,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from . import _core, checkpoint, dcp, io, remote, sharded
+from . import checkpoint, dcp, io, remote, sharded
 from .check import check
 from .io import CheckpointError
 from .paths import MANIFEST
@@ -68,7 +68,7 @@ def _head(path) -> tuple:
 
 def _claims_format(head: bytes, size: int) -> bool:
     "True for a file this format must read (magic bytes), or one too short to tell (a cut checkpoint)."
-    return size < _MAGIC_LEN or _core.has_magic(head)
+    return size < _MAGIC_LEN or io.has_magic(head)
 
 
 def _not_ours(head: bytes) -> str:
@@ -144,7 +144,7 @@ def _nbytes(ref):
     import numpy as np
 
     n = int(np.prod(ref.shape)) if ref.shape else 1
-    return n * int(_core.dtype_size(ref.code))
+    return n * int(io.dtype_size(ref.code))
 
 
 def _print_position(p) -> None:
@@ -281,7 +281,7 @@ def _scan(folder: Path):
                 yield p, _reason(e, p)
                 continue
             # a file with the magic bytes, or named as one of ours, is a checkpoint: BAD if broken
-            yield p, (None if p.name.endswith(io.EXT) or _core.has_magic(head) else _not_ours(head))
+            yield p, (None if p.name.endswith(io.EXT) or io.has_magic(head) else _not_ours(head))
 
 
 def cmd_verify(a):

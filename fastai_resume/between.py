@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from fastcore.foundation import L
 
-from . import _core, check, checkpoint, dist, io, paths, sharded, state, trainstate
+from . import check, checkpoint, dist, io, paths, sharded, state, trainstate
 from .fastai_classes import is_a
 from .io import CheckpointError
 from .script import script
@@ -59,7 +59,7 @@ def file_crc(path) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
-            crc = _core.crc32c(chunk, crc)
+            crc = io.crc32c(chunk, crc)
     return crc
 
 

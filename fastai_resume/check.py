@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import _core
+from . import io
 from .script import DISARM_HOOKS, STAGE_BEGIN_HOOKS, script
 
 __all__ = ["check", "CheckResult", "ENV", "probe_for"]
@@ -43,7 +43,7 @@ CKPT = "fastai_resume_check"
 
 
 def _text(v) -> int:
-    return _core.crc32c(repr(v).encode())  # the same in every process (unlike hash())
+    return io.crc32c(repr(v).encode())  # the same in every process (unlike hash())
 
 
 def _crc(t) -> int:
@@ -51,7 +51,7 @@ def _crc(t) -> int:
         t = t.detach().cpu().contiguous()
         head = _text((str(t.dtype), tuple(t.shape)))
         t = t.reshape(-1)
-        return _core.crc32c(t.view(torch.uint8).numpy() if t.numel() else b"", head)
+        return io.crc32c(t.view(torch.uint8).numpy() if t.numel() else b"", head)
     if isinstance(t, (list, tuple)):
         c = 0
         for x in t:

@@ -1,7 +1,8 @@
 """Pickle-free save and load of a value tree of Python values, torch tensors and NumPy arrays.
 
-This is the only module that talks to the C writer and reader; everything above it deals in
-plain trees (`state`), never in bytes.
+This is the only module that imports the C core (`_core`): what the modules above use of it (CRC32C,
+the copy that checksums, the SkipToIter state machine) is re-exported here; everything above it deals
+in plain trees (`state`), never in bytes.
 """
 
 from __future__ import annotations
@@ -15,9 +16,44 @@ import numpy as np
 import torch
 
 from . import _core
-from ._core import CheckpointError
+from ._core import (  # (re-exported: the C core as the modules above use it)
+    PAGE_ALIGN_MIN,
+    RNG_NONE,
+    RNG_SAVED,
+    STEP_RESUME,
+    STEP_SKIP,
+    CheckpointError,
+    SkipToIter,
+    copy_crc32c,
+    copy_use_openmp,
+    crc32c,
+    has_magic,
+    skip_plan,
+)
 
-__all__ = ["save", "load", "CheckpointError", "DiskFullError", "is_checkpoint", "EXT", "info", "crc32c_many"]
+__all__ = [
+    "save",
+    "load",
+    "Mapped",
+    "CheckpointError",
+    "DiskFullError",
+    "is_checkpoint",
+    "EXT",
+    "info",
+    "crc32c",
+    "crc32c_many",
+    "copy_crc32c",
+    "copy_use_openmp",
+    "dtype_size",
+    "has_magic",
+    "PAGE_ALIGN_MIN",
+    "SkipToIter",
+    "skip_plan",
+    "RNG_NONE",
+    "RNG_SAVED",
+    "STEP_SKIP",
+    "STEP_RESUME",
+]
 
 EXT = ".frk"  # the file extension of this format (a plain torch.load user never meets it)
 
@@ -80,6 +116,11 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 def storage_bytes(st: Any) -> np.ndarray:
     "A torch storage's bytes as a flat uint8 NumPy array over the same memory (CPU storages)."
     return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).numpy()
+
+
+def dtype_size(code: int) -> int:
+    "The bytes of one element of the format's dtype `code`."
+    return _core.dtype_size(code)
 
 
 def crc32c_many(buffers: list, threads: int) -> list:
@@ -303,6 +344,35 @@ def load(path: PathLike, verify: bool = True, mmap: bool = False) -> Any:
         return r.tree(_decoder(m, r))
     except CheckpointError as e:
         raise CheckpointError(f"{os.fspath(path)}: {e}") from None
+
+
+class Mapped:
+    """A checkpoint file mapped, not read: its footer and index checked, its tensors views of the mapping
+    (`tree`), each blob's checksum verified only when asked (`verify_blob`). For reading a few tensors of
+    a large file (`sharded`'s chunks of other ranks' files)."""
+
+    def __init__(self, path: PathLike):
+        self.path = os.fspath(path)
+        self._m = _core.Mapping(self.path)
+        try:
+            self._r = _core.Reader(self._m, verify=False)  # (the footer and the index are always checked)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+
+    def tree(self, leaf) -> Any:
+        "The value tree, each tensor as `leaf(tensor, the index of its blob)`."
+        try:
+            table = self._r.tensors()
+            make = _decoder(self._m, self._r)
+            return self._r.tree(lambda i: leaf(make(i), table[i][2]))
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+
+    def verify_blob(self, blob: int) -> None:
+        try:
+            self._r.verify_blob(blob)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
 
 
 def is_checkpoint(path: PathLike) -> bool:

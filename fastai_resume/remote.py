@@ -43,7 +43,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import _core, io, paths
+from . import io, paths
 from .io import CheckpointError
 
 __all__ = ["INSTALL", "Mirror", "RemoteError", "filesystem", "fetch", "is_url"]
@@ -142,7 +142,7 @@ def upload(fs, f, key: str, size: int) -> int:
             chunk = f.read(min(block, size - sent))
             if not chunk:
                 raise CheckpointError(f"{getattr(f, 'name', key)}: the file ended at {sent:,} of {size:,} bytes")
-            crc = _core.crc32c(chunk, crc)
+            crc = io.crc32c(chunk, crc)
             out.write(chunk)
             sent += len(chunk)
         out.close()
@@ -164,7 +164,7 @@ def remote_crc(fs, key: str, size: int) -> int:
         data = fs.cat_file(key, start=start, end=min(size, start + CHUNK))
         if len(data) != min(CHUNK, size - start):
             raise CheckpointError(f"{key}: the remote object is shorter than its {size:,} bytes")
-        crc = _core.crc32c(data, crc)
+        crc = io.crc32c(data, crc)
     return crc
 
 
@@ -184,7 +184,7 @@ def download(fs, key: str, dest: Path, expect: dict | None = None) -> tuple:
             data = fs.cat_file(key, start=start, end=min(size, start + CHUNK))
             if len(data) != min(CHUNK, size - start):
                 raise CheckpointError(f"{key}: the remote object changed while it was read")
-            crc = _core.crc32c(data, crc)
+            crc = io.crc32c(data, crc)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
@@ -216,7 +216,7 @@ def local_crc(path) -> tuple:
     crc, size = 0, 0
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
-            crc = _core.crc32c(chunk, crc)
+            crc = io.crc32c(chunk, crc)
             size += len(chunk)
     return size, crc
 

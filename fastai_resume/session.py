@@ -1,7 +1,7 @@
 """The resume of one fit: `run_fit` runs a fit of a stage (skipped, resumed or run), with its
 `ResumeSession`, the callback that tracks the training position for `save(with_iter=True)` and, when a
 resume is armed, restores the saved training state (`trainstate`) and skips the finished work, with the
-decisions made by `_core.SkipToIter` and the batches cut by `loaders.skip_first`.
+decisions made by `io.SkipToIter` and the batches cut by `loaders.skip_first`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from fastai.callback.core import Callback
 from fastcore.foundation import L
 
-from . import _core, callbacks, check, dist, frozen, loaders, sharded, state, trainstate
+from . import callbacks, check, dist, frozen, io, loaders, sharded, state, trainstate
 from .script import Interrupted
 from .stages import Stage
 
@@ -101,7 +101,7 @@ class EventFrames:
 class ResumeSession(Callback):
     """Added to every top-level fit. Tracks the training position for `save(with_iter=True)`; when a
     resume is armed, restores the saved training state and delegates the skipping to
-    `_core.SkipToIter`. Runs after every other callback (so it restores what their `before_fit` reset)."""
+    `io.SkipToIter`. Runs after every other callback (so it restores what their `before_fit` reset)."""
 
     order = 200
 
@@ -111,11 +111,11 @@ class ResumeSession(Callback):
         self.script, self.stage, self.fit_index = plan.script, plan.stage, plan.fit_index
         self.saved, self.target, self.source = plan.saved, plan.target, plan.source
         self.opt_state, self.model_state, self.fast_forward = plan.opt_state, plan.model_state, plan.fast_forward
-        self.skip = _core.SkipToIter()
+        self.skip = io.SkipToIter()
         self.frames = EventFrames()
         self.rows: list = []  # the printed row of every finished epoch
         self.rng_epoch = self.loaders_epoch = self.rng_valid = self.loaders_valid = None
-        self.first_iter, self.rng_action, self.resuming, self.t0 = 0, _core.RNG_NONE, False, 0.0
+        self.first_iter, self.rng_action, self.resuming, self.t0 = 0, io.RNG_NONE, False, 0.0
         self.fast_forwarding = 0  # batches `all_batches` reads and discards first (a stream without state)
 
     def before_fit(self):
@@ -136,14 +136,14 @@ class ResumeSession(Callback):
     def skips(self, epoch) -> bool:
         "Called by `Learner._do_fit` before each epoch: True if the epoch is already done."
         action, self.rng_action, self.first_iter = self.skip.before_epoch(epoch)
-        if action == _core.STEP_SKIP:
+        if action == io.STEP_SKIP:
             mbar = getattr(getattr(self.learn, "progress", None), "mbar", None)
             if mbar is not None:
                 mbar.update(epoch)  # fastprogress wants every epoch counted
             if epoch < len(self.rows):
                 state.print_row(self.learn, self.rows[epoch])
             return True
-        self.resuming = action == _core.STEP_RESUME
+        self.resuming = action == io.STEP_RESUME
         if self.resuming and not self.first_iter and self.saved is not None:
             # saved at an epoch boundary: the tensors the model keeps between batches are the ones it had
             # there, before any callback's before_epoch (ModelResetter's before_train resets them after, as
@@ -169,7 +169,7 @@ class ResumeSession(Callback):
         sv, k, learn = self.saved, self.first_iter, self.learn
         n_iter = len(self.dls.train)
         if sv is not None:
-            trainstate.restore_epoch(learn, sv, self.rng_action == _core.RNG_SAVED, k)
+            trainstate.restore_epoch(learn, sv, self.rng_action == io.RNG_SAVED, k)
         else:
             learn.train_iter = self.epoch * n_iter + k
             learn.pct_train = (self.epoch * n_iter + k) / (n_iter * self.n_epoch)
@@ -297,7 +297,7 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
     if saved is not None and not explicit and pos["world_size"] != dist.world():  # moved, counted in samples
         saved = sharded.continue_at(learn, saved, a.path, n_epoch)
         pos = saved["position"]
-    target = _core.skip_plan(
+    target = io.skip_plan(
         saved is not None,
         pos["epoch"] if saved else 0,
         pos["iter"] if saved else 0,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from . import _core, checkpoint, dist, io, loaders, paths
+from . import checkpoint, dist, io, loaders, paths
 from .io import CheckpointError
 from .paths import MANIFEST
 from .snapshot import BackgroundCommit
@@ -485,14 +485,8 @@ class _Shard:
 
     def __init__(self, path: Path):
         self.path = path
-        self.m = _core.Mapping(os.fspath(path))
-        try:
-            self.r = _core.Reader(self.m, verify=False)  # (the footer and the index are always checked)
-            table = self.r.tensors()
-            make = io._decoder(self.m, self.r)
-            self.tree = self.r.tree(lambda i: _Ref(make(i), table[i][2]))
-        except CheckpointError as e:
-            raise CheckpointError(f"{path}: {e}") from None
+        self.file = io.Mapped(path)
+        self.tree = self.file.tree(_Ref)
         self.verified: set = set()
 
     def tensor(self, path: list) -> torch.Tensor:
@@ -500,10 +494,7 @@ class _Shard:
         if not isinstance(ref, _Ref):
             raise CheckpointError(f"{self.path}: {'.'.join(map(str, path))}: expected a tensor")
         if ref.blob not in self.verified:
-            try:
-                self.r.verify_blob(ref.blob)
-            except CheckpointError as e:
-                raise CheckpointError(f"{self.path}: {e}") from None
+            self.file.verify_blob(ref.blob)
             self.verified.add(ref.blob)
         return ref.t
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _core, io
+from . import io
 
 __all__ = ["SnapshotPool", "BackgroundCommit"]
 
@@ -54,7 +54,7 @@ def _openmp_is_torchs() -> bool:
     return named == {torchs}
 
 
-COPY_ON_OPENMP = _core.copy_use_openmp(_openmp_is_torchs())  # False: the copy's own second thread
+COPY_ON_OPENMP = io.copy_use_openmp(_openmp_is_torchs())  # False: the copy's own second thread
 
 
 class SnapshotPool:
@@ -111,9 +111,9 @@ class SnapshotPool:
             skey = (t.device, st.data_ptr(), n)
             new = storages.get(skey, (None,))[0]
             if new is None:
-                if t.device.type == "cpu" and n >= _core.PAGE_ALIGN_MIN:
+                if t.device.type == "cpu" and n >= io.PAGE_ALIGN_MIN:
                     new = take(("page", n), lambda: _page_storage(n, self.huge_pages))
-                    crcs[new.data_ptr(), n] = _core.copy_crc32c(io.storage_bytes(new), io.storage_bytes(st))
+                    crcs[new.data_ptr(), n] = io.copy_crc32c(io.storage_bytes(new), io.storage_bytes(st))
                 elif t.device.type == "cpu":
                     new = take(("torch", False, n), lambda: torch.empty(n, dtype=torch.uint8).untyped_storage())
                     new.copy_(st)
