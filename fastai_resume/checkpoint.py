@@ -78,17 +78,9 @@ def build_tree(learn, with_opt=True, with_iter=False, full=False) -> dict | None
 
 def cloned(tree):
     "`tree` with every tensor and array copied (what a live object may change in place stays apart)."
-    if isinstance(tree, torch.Tensor):
-        return tree.clone()
-    if isinstance(tree, np.ndarray):
-        return tree.copy()
-    if isinstance(tree, dict):
-        return {k: cloned(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [cloned(v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(cloned(v) for v in tree)
-    return tree
+    return io.map_tree(
+        tree, lambda v: v.clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v
+    )
 
 
 # A commit's temporary file (csrc/commit.c): `.<name>.tmp.<pid>.<16 random hex digits>` (older writers: `.<n>`, a count)

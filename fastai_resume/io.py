@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from typing import Any, Union
 
 import numpy as np
@@ -40,6 +41,7 @@ __all__ = [
     "is_checkpoint",
     "EXT",
     "info",
+    "map_tree",
     "crc32c",
     "crc32c_many",
     "copy_crc32c",
@@ -111,6 +113,23 @@ NUMPY_CODE = {
 }
 NUMPY_DTYPE = {c: d for d, c in NUMPY_CODE.items()}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def map_tree(tree: Any, leaf: Callable, path: tuple | None = None) -> Any:
+    """`tree` rebuilt: each dict, list and tuple walked (into new ones of the base types), every other value
+    replaced by `leaf(value)`, or by `leaf(value, keys)` when a `path` is given (`keys`: `path` and the keys
+    down to the value). The one walk of a value tree."""
+    if isinstance(tree, dict):
+        if path is None:
+            return {k: map_tree(v, leaf) for k, v in tree.items()}
+        return {k: map_tree(v, leaf, (*path, k)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        if path is None:
+            out = [map_tree(v, leaf) for v in tree]
+        else:
+            out = [map_tree(v, leaf, (*path, i)) for i, v in enumerate(tree)]
+        return tuple(out) if isinstance(tree, tuple) else out
+    return leaf(tree) if path is None else leaf(tree, path)
 
 
 def storage_bytes(st: Any) -> np.ndarray:
@@ -427,10 +446,4 @@ class _TensorRef:
 
 def stand_ins(tree: Any) -> Any:
     "An `info()` tree (or part of one) with each tensor entry replaced by its `stand_in()`: what validation reads."
-    if isinstance(tree, _TensorRef):
-        return tree.stand_in()
-    if isinstance(tree, dict):
-        return {k: stand_ins(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(stand_ins(v) for v in tree)
-    return tree
+    return map_tree(tree, lambda v: v.stand_in() if isinstance(v, _TensorRef) else v)

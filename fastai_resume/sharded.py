@@ -116,7 +116,7 @@ def localize(tree) -> tuple:
     "mesh": mesh shape}`. Nothing is copied and nothing is collective."""
     entries: list = []
 
-    def walk(v, path):
+    def leaf(v, path):
         if is_dtensor(v):
             where = ".".join(map(str, path))
             local = v.to_local()
@@ -133,15 +133,9 @@ def localize(tree) -> tuple:
                 }
             )
             return local.detach()
-        if isinstance(v, dict):
-            return {k: walk(x, (*path, k)) for k, x in v.items()}
-        if isinstance(v, list):
-            return [walk(x, (*path, i)) for i, x in enumerate(v)]
-        if isinstance(v, tuple):
-            return tuple(walk(x, (*path, i)) for i, x in enumerate(v))
         return v
 
-    return walk(tree, ()), entries
+    return io.map_tree(tree, leaf, ()), entries
 
 
 def _reshard(model) -> None:

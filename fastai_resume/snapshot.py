@@ -136,23 +136,17 @@ class SnapshotPool:
             np.copyto(out, a)
             return out
 
-        def walk(v):
+        def leaf(v):
             if isinstance(v, (torch.Tensor, np.ndarray)):
                 c = memo.get(id(v))
                 if c is None:
                     c = memo[id(v)] = (copy_tensor if isinstance(v, torch.Tensor) else copy_array)(v), v
                 return c[0]  # (the original is kept in the memo so that its id stays unique)
-            if isinstance(v, dict):
-                return {k: walk(x) for k, x in v.items()}
-            if isinstance(v, list):
-                return [walk(x) for x in v]
-            if isinstance(v, tuple):
-                return tuple(walk(x) for x in v)
             if isinstance(v, bytearray):
                 return bytes(v)
             return v
 
-        out = walk(tree)
+        out = io.map_tree(tree, leaf)
         for dev in cuda:
             torch.cuda.synchronize(dev)
         return out

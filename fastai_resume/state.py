@@ -17,7 +17,7 @@ import torch
 from fastcore.foundation import L
 
 from .fastai_classes import is_a
-from .io import CheckpointError
+from .io import CheckpointError, map_tree
 
 __all__ = [
     "plain",
@@ -37,13 +37,13 @@ __all__ = [
 
 def plain(v: Any) -> Any:
     "`v` with fastai/NumPy containers and scalars turned into the storable base types."
+    return map_tree(v, _plain_leaf)
+
+
+def _plain_leaf(v: Any) -> Any:
     if isinstance(v, np.generic):
         return v.item()
-    if isinstance(v, dict):
-        return {k: plain(x) for k, x in v.items()}
-    if isinstance(v, tuple):
-        return tuple(plain(x) for x in v)
-    if isinstance(v, list) or type(v).__name__ == "L":
+    if type(v).__name__ == "L":  # fastcore's list
         return [plain(x) for x in v]
     return v
 
