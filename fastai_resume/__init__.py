@@ -76,6 +76,7 @@ _SUBMODULES = {
     "sharded",
     "stages",
     "state",
+    "stored",
     "trainstate",
 }
 

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import stat
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
-from . import checkpoint, dcp, io, remote, sharded
+from . import checkpoint, dcp, io, remote, sharded, stored
 from .check import check
 from .io import CheckpointError
 from .paths import MANIFEST
@@ -42,7 +41,6 @@ from .state import plain
 
 _MAGIC_LEN = 8  # the format's magic bytes (docs/FORMAT.md): a shorter file can only be a cut checkpoint
 _ZIP = b"PK\x03\x04"  # torch.save's format (since torch 1.6), so every vanilla fastai .pth
-_TEMP = re.compile(r"^\..+\.tmp\.\d+\.[0-9a-f]+$")  # a commit's temporary file (csrc/commit.c), in progress or killed
 
 
 class Failure(Exception):
@@ -266,7 +264,7 @@ def _numel(shape) -> int:
 def _scan(folder: Path):
     "(path, None) for each checkpoint in `folder`, (path, why) for each other entry, by name."
     for p in sorted(folder.iterdir()):
-        if _TEMP.match(p.name):
+        if stored.is_temp(p.name):
             yield p, "a save's temporary file (a save in progress, or left by a killed one)"
         elif p.name.endswith(".corrupt"):
             yield p, "set aside as corrupt by autoresume"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fastai.callback.core import Callback
 
-from . import check, checkpoint, dist, paths, sharded
+from . import check, checkpoint, dist, paths, sharded, stored
 from . import remote as _remote
 from .io import CheckpointError
 from .runfolder import RunFolder, run_identity
@@ -331,7 +331,7 @@ class Saves:
         if pos is None:
             return None
         path = files.name(s.stage.index, s.fit_index, *pos)
-        done = sharded.exists(path) or (self.inflight is not None and self.inflight[1] == path)
+        done = stored.exists(path) or (self.inflight is not None and self.inflight[1] == path)
         if dist.active():
             done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
         if done:

@@ -16,8 +16,6 @@ half-loaded learner or an error later in `fit`.
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ from . import dist, frozen, io, trainstate
 from .io import CheckpointError
 from .script import session_of
 from .state import opt_state_for, plain
+from .stored import remove_dead_temps
 
 __all__ = [
     "STATE_VERSION",
@@ -36,7 +35,6 @@ __all__ = [
     "check",
     "load_tree",
     "model_mismatch",
-    "remove_dead_temps",
     "make_full",
 ]
 
@@ -81,45 +79,6 @@ def cloned(tree):
     return io.map_tree(
         tree, lambda v: v.clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v
     )
-
-
-# A commit's temporary file (csrc/commit.c): `.<name>.tmp.<pid>.<16 random hex digits>` (older writers: `.<n>`, a count)
-_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]+$")
-
-
-def is_temp(name: str) -> bool:
-    "Is `name` a commit's temporary file (a save in progress, or one whose writer died)?"
-    return _TEMP.match(name) is not None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_dead_temps(folder: Path, names=None) -> int:
-    """Remove temporary files of saves whose writing process is gone (killed mid-save), for the final
-    names `names` accepts (a callable; all when None). A live writer's file is never touched."""
-    n = 0
-    if not folder.is_dir():
-        return 0
-    for p in folder.iterdir():
-        m = _TEMP.match(p.name)
-        if m is None or (names is not None and not names(m["name"])):
-            continue
-        if int(m["pid"]) == os.getpid() or _alive(int(m["pid"])):
-            continue
-        try:
-            p.unlink()
-            n += 1
-        except OSError:
-            pass
-    return n
 
 
 def commit(build, path: Path) -> None:

@@ -43,7 +43,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import io, paths
+from . import io, paths, stored
 from .io import CheckpointError
 
 __all__ = ["INSTALL", "Mirror", "RemoteError", "filesystem", "fetch", "is_url"]
@@ -176,7 +176,7 @@ def download(fs, key: str, dest: Path, expect: dict | None = None) -> tuple:
     if expect is not None and size != expect["size"]:
         raise CheckpointError(f"{key}: {size:,} bytes on the remote, {expect['size']:,} uploaded")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp.{os.getpid()}.{secrets.token_hex(8)}")  # checkpoint.remove_dead_temps's
+    tmp = stored.temp_name(dest)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     crc = 0
     try:
@@ -280,16 +280,6 @@ def _machine() -> str:
     except OSError:
         boot, ns = "?", 0
     return f"{socket.gethostname()} {boot} {ns}"
-
-
-def _alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError, OverflowError):
-        return True
-    return True
 
 
 class _Lost(Exception):
@@ -445,7 +435,7 @@ class Lease:
         held = self.read()
         if held is not None and held.get("token") != self.token:
             if held.get("machine") == _machine():
-                if _alive(held.get("pid")):
+                if stored.alive(held.get("pid")):
                     raise RuntimeError(
                         f"AutoCheckpoint: {self._holder(held)} is already mirroring this run to {self.url} (lock "
                         f"{self.lock_name}); two processes writing one run's checkpoints would delete each other's "

@@ -18,7 +18,7 @@ import re
 import warnings
 from pathlib import Path
 
-from . import checkpoint, dist, io, loaders, sharded
+from . import dist, io, loaders, sharded, stored
 from .io import CheckpointError
 
 __all__ = ["RunFolder", "run_identity"]
@@ -142,10 +142,8 @@ class RunFolder:
     # -- removing files -------------------------------------------------------------------------
     def remove_dead_temps(self) -> None:
         "Temporary files of this run's saves whose process is gone (killed mid-save): never valid."
-        checkpoint.remove_dead_temps(self.folder, lambda name: bool(self.pattern.match(name)))
-        sharded.remove_unfinished(
-            self.folder, lambda name: bool(self.pattern.match(name))
-        )  # folders without a manifest
+        stored.remove_dead_temps(self.folder, lambda name: bool(self.pattern.match(name)))
+        stored.remove_unfinished(self.folder, lambda name: bool(self.pattern.match(name)))  # folders without a manifest
 
     def remove_stale(self, folder: Path | None = None) -> list:
         """Removes this run's checkpoints in `folder` (default: its own) but the newest `keep`, and the
@@ -165,7 +163,7 @@ class RunFolder:
         failed = []
         for old in stale:
             try:
-                sharded.remove(old)  # (a file, or a sharded checkpoint's folder)
+                stored.remove(old)  # (a file, or a sharded checkpoint's folder)
             except OSError as e:
                 failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
         return failed
@@ -178,8 +176,8 @@ class RunFolder:
             if old == newest:
                 continue
             try:
-                size = sharded.size(old)
-                sharded.remove(old)
+                size = stored.size(old)
+                stored.remove(old)
                 removed.append((old, size))
             except OSError:
                 pass

@@ -28,14 +28,13 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-from . import checkpoint, dist, io, loaders, paths
+from . import checkpoint, dist, io, loaders, paths, stored
 from .io import CheckpointError
 from .paths import MANIFEST
 from .snapshot import BackgroundCommit
@@ -46,14 +45,9 @@ __all__ = [
     "commit",
     "read",
     "gathered",
-    "is_sharded_checkpoint",
     "read_manifest",
     "problem",
     "verify",
-    "exists",
-    "remove",
-    "remove_unfinished",
-    "size",
     "continue_at",
     "save_model",
     "shard_name",
@@ -165,7 +159,7 @@ def _rank_tree(tree: dict, token: int) -> dict:
 
 def _remove_leftovers(folder: Path, keep_token: int) -> None:
     "Shard files of other saves of this folder (the checkpoint replaced, saves that never finished), dead temps."
-    checkpoint.remove_dead_temps(folder)
+    stored.remove_dead_temps(folder)
     for p in folder.iterdir():
         m = _SHARD.match(p.name)
         if m is not None and int(m[3], 16) != keep_token:
@@ -260,58 +254,7 @@ def save_model(learn, file, with_opt: bool = True) -> Path:
     return path
 
 
-# ---- the folder -------------------------------------------------------------------------------------
-
-
-def is_sharded_checkpoint(path) -> bool:
-    "Is `path` a folder with a manifest (whether it verifies or not)?"
-    p = Path(path)
-    return p.is_dir() and (p / MANIFEST).is_file()
-
-
-def exists(path) -> bool:
-    "A checkpoint at `path`: a file, or a folder whose manifest is committed."
-    p = Path(path)
-    return is_sharded_checkpoint(p) if p.is_dir() else p.exists()
-
-
-def size(path) -> int:
-    "The bytes a checkpoint takes (a folder: all of its files)."
-    p = Path(path)
-    if not p.is_dir():
-        return p.stat().st_size
-    return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
-
-
-def remove(path) -> None:
-    "Remove a checkpoint, a file or a folder (its manifest first: from then on it no longer exists)."
-    p = Path(path)
-    if not p.is_dir():
-        p.unlink()
-        return
-    try:
-        (p / MANIFEST).unlink()
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(p)
-
-
-def remove_unfinished(folder: Path, names=None) -> int:
-    """Remove the sharded checkpoints in `folder` (those whose names `names` accepts) that a killed save left
-    without a manifest, and dead writers' temporary files in the others: never a checkpoint, as a dead
-    writer's temporary file is not. A folder in which a live process is still writing is left alone."""
-    n = 0
-    if not folder.is_dir():
-        return 0
-    for p in folder.iterdir():
-        if not p.is_dir() or not p.name.endswith(io.EXT) or (names is not None and not names(p.name)):
-            continue
-        checkpoint.remove_dead_temps(p)
-        if (p / MANIFEST).exists() or any(checkpoint.is_temp(f.name) for f in p.iterdir()):
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-        n += 1
-    return n
+# ---- the manifest and the shard files -------------------------------------------------------------
 
 
 class _Bad(Exception):

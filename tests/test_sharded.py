@@ -22,7 +22,7 @@ from procs import ENV, FORKS, HERE, equal, kill_job, shared_run, start, torchrun
 from torch import nn
 
 import fastai_resume as fr
-from fastai_resume import io, sharded
+from fastai_resume import io, sharded, stored
 from fastai_resume.__main__ import main as cli
 
 BS = 32
@@ -183,7 +183,7 @@ def test_a_corrupt_shard_is_found_by_verify_and_refused_by_load(ckpt, tmp_path, 
 def test_a_folder_without_its_manifest_is_no_checkpoint(ckpt, tmp_path):
     folder, _, _ = ckpt
     (folder / "manifest.frk").unlink()  # what a save killed before its manifest leaves
-    assert not sharded.exists(folder)
+    assert not stored.exists(folder)
     with pytest.raises(fr.CheckpointError, match="no manifest.frk"):
         sharded.verify(folder)
     with pytest.raises(fr.CheckpointError, match="did not finish"):
@@ -423,7 +423,7 @@ def test_sigkill_of_one_rank_mid_save_leaves_no_checkpoint_and_autoresume_takes_
     # both ranks' files of the third save are complete and verify on their own; without the manifest,
     # which rank 0 writes only once every rank has said its file is committed, it is no checkpoint
     assert [fr.info(f, verify=True)["size"] > 0 for f in sorted(third.glob("shard-*"))] == [True, True]
-    assert not sharded.exists(third) and "no manifest.frk" in sharded.problem(third)
+    assert not stored.exists(third) and "no manifest.frk" in sharded.problem(third)
     p = launch(2, tmp_path, tmp_path / "out.frk", *args)
     assert "i0000000008.frk" in p.stdout.split("AutoCheckpoint: found")[1].splitlines()[0]
     assert_same_on_every_rank(ref, ranks(tmp_path / "out.frk", 2), 2)

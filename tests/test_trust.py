@@ -424,5 +424,5 @@ def test_a_killed_writers_random_temporary_name_is_recognised_and_removed(tmp_pa
         if left:
             break
     assert left and re.fullmatch(rf"\.m\.frk\.tmp\.{p.pid}\.[0-9a-f]{{16}}", left[0]), left
-    assert fr.checkpoint.remove_dead_temps(tmp_path) == 1
+    assert fr.stored.remove_dead_temps(tmp_path) == 1
     assert [n for n in os.listdir(tmp_path) if n != "m.frk"] == []  # (killed before its first rename: no m.frk)

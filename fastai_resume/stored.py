@@ -1,0 +1,123 @@
+"""A checkpoint on disk: a file, or a sharded checkpoint's folder (its shard files and a manifest, committed
+last: `sharded`). Whether one exists, its size, its removal; the temporary files of saves in progress, and
+of saves whose writer died, told apart and cleaned up. What saves and retention ask of a checkpoint without
+reading it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+from .io import EXT
+from .paths import MANIFEST
+
+__all__ = [
+    "is_sharded_checkpoint",
+    "exists",
+    "size",
+    "remove",
+    "remove_unfinished",
+    "is_temp",
+    "temp_name",
+    "remove_dead_temps",
+    "alive",
+]
+
+# A commit's temporary file (csrc/commit.c): `.<name>.tmp.<pid>.<16 random hex digits>` (older writers: `.<n>`, a count)
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]+$")
+
+
+def is_temp(name: str) -> bool:
+    "Is `name` a commit's temporary file (a save in progress, or one whose writer died)?"
+    return _TEMP.match(name) is not None
+
+
+def temp_name(path: Path) -> Path:
+    "A new temporary file beside `path`, named as a commit names its own (what `remove_dead_temps` cleans up)."
+    return path.with_name(f".{path.name}.tmp.{os.getpid()}.{secrets.token_hex(8)}")
+
+
+def alive(pid) -> bool:
+    "Is the process `pid` (of this machine) running? True where that cannot be told (not ours, not a pid)."
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
+
+
+def remove_dead_temps(folder: Path, names=None) -> int:
+    """Remove temporary files of saves whose writing process is gone (killed mid-save), for the final
+    names `names` accepts (a callable; all when None). A live writer's file is never touched."""
+    n = 0
+    if not folder.is_dir():
+        return 0
+    for p in folder.iterdir():
+        m = _TEMP.match(p.name)
+        if m is None or (names is not None and not names(m["name"])):
+            continue
+        if int(m["pid"]) == os.getpid() or alive(int(m["pid"])):
+            continue
+        try:
+            p.unlink()
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def is_sharded_checkpoint(path) -> bool:
+    "Is `path` a folder with a manifest (whether it verifies or not)?"
+    p = Path(path)
+    return p.is_dir() and (p / MANIFEST).is_file()
+
+
+def exists(path) -> bool:
+    "A checkpoint at `path`: a file, or a folder whose manifest is committed."
+    p = Path(path)
+    return is_sharded_checkpoint(p) if p.is_dir() else p.exists()
+
+
+def size(path) -> int:
+    "The bytes a checkpoint takes (a folder: all of its files)."
+    p = Path(path)
+    if not p.is_dir():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+
+
+def remove(path) -> None:
+    "Remove a checkpoint, a file or a folder (its manifest first: from then on it no longer exists)."
+    p = Path(path)
+    if not p.is_dir():
+        p.unlink()
+        return
+    try:
+        (p / MANIFEST).unlink()
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(p)
+
+
+def remove_unfinished(folder: Path, names=None) -> int:
+    """Remove the sharded checkpoints in `folder` (those whose names `names` accepts) that a killed save left
+    without a manifest, and dead writers' temporary files in the others: never a checkpoint, as a dead
+    writer's temporary file is not. A folder in which a live process is still writing is left alone."""
+    n = 0
+    if not folder.is_dir():
+        return 0
+    for p in folder.iterdir():
+        if not p.is_dir() or not p.name.endswith(EXT) or (names is not None and not names(p.name)):
+            continue
+        remove_dead_temps(p)
+        if (p / MANIFEST).exists() or any(is_temp(f.name) for f in p.iterdir()):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        n += 1
+    return n
