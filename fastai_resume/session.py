@@ -1,23 +1,25 @@
 """The resume of one fit: `run_fit` runs a fit of a stage (skipped, resumed or run), with its
 `ResumeSession`, the callback that tracks the training position for `save(with_iter=True)` and, when a
 resume is armed, restores the saved training state (`trainstate`) and skips the finished work, with the
-decisions made by `io.SkipToIter` and the batches cut by `loaders.skip_first`.
+decisions made by `io.SkipToIter` and the batches cut by `loaders.skip_first`. A checkpoint saved at
+another world size continues at the position counted in samples (`continue_at`).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastai.callback.core import Callback
 from fastcore.foundation import L
 
-from . import callbacks, check, dist, frozen, io, loaders, sharded, state, trainstate
+from . import callbacks, check, dist, frozen, io, loaders, state, trainstate
 from .script import Interrupted
 from .stages import Stage
 
-__all__ = ["FitPlan", "EventFrames", "ResumeSession", "InBatchSave", "run_fit"]
+__all__ = ["FitPlan", "EventFrames", "ResumeSession", "InBatchSave", "run_fit", "continue_at", "batches_per_rank"]
 
 _IN_BATCH = {
     "before_batch",
@@ -253,6 +255,65 @@ class ResumeSession(Callback):
 # ---- a fit of a stage --------------------------------------------------------------------------
 
 
+def batches_per_rank(n_iter_all: int, world: int) -> int:
+    "Training batches per rank per epoch for a loader of `n_iter_all` batches (fastai's `DistributedDL.__len__`)."
+    return -(-n_iter_all // world) if world > 1 else n_iter_all
+
+
+def continue_at(learn, train: dict, source, n_epoch: int) -> dict:
+    """The saved training state of a fit of another world size, as this fit continues it: the position
+    counted in samples (the epoch's training samples done across the saved ranks, in whole batches of this
+    world size; what does not make a whole batch is trained again). Says plainly that the run is no longer
+    the uninterrupted one: every rank's share of the data differs. Raises what cannot be continued."""
+    pos = train["position"]
+    old, new = pos["world_size"], dist.world()
+    bs = pos["bs"]
+    if loaders.is_stream(learn.dls.train):
+        raise ValueError(
+            f"{source} was saved by {old} process(es); this fit runs {new}. Its training data is a stream, whose "
+            "position cannot be moved to another number of processes: resume it with "
+            f"{old}, or pass start_epoch to start an epoch anew"
+        )
+    if not bs:
+        raise ValueError(f"{source}: its training loader has no batch size: it cannot be continued by {new} processes")
+    if train.get("grads") is not None:
+        raise ValueError(
+            f"{source} was saved by {old} process(es) in the middle of a gradient accumulation; its partial "
+            f"gradients (sums over each process's own batches) cannot be continued by {new}: resume it with "
+            f"{old}, or from a checkpoint saved at an optimizer step"
+        )
+    n_iter = batches_per_rank(pos["n_iter_all"], new)
+    done = pos["iter"] * bs * old  # training samples of this epoch done, across the saved ranks
+    if pos.get("loader_done") or pos["iter"] >= pos["n_iter"]:
+        it = n_iter
+    else:
+        it = min(done // (bs * new), n_iter)
+    again = done - it * bs * new if it < n_iter else 0
+    epoch = pos["epoch"]
+    train_iter = epoch * n_iter + it
+    moved = {
+        **pos,
+        "iter": it,
+        "n_iter": n_iter,
+        "train_iter": train_iter,
+        "pct_train": train_iter / max(1, n_epoch * n_iter),
+        "world_size": new,
+        "saved_world_size": old,
+    }
+    msg = (
+        f"fastai_resume: {source} was saved by {old} process(es) and this fit runs {new}: it continues at epoch "
+        f"{epoch}, iteration {it} of {n_iter} per process (the position counted in samples: {done:,} training "
+        "samples of the epoch were done"
+        + (f"; {again:,} of them, less than a batch of every process, are trained again" if again else "")
+        + f"). The model and optimizer are the saved ones, rebuilt exactly for {new} process(es), but each "
+        "process's share of the data differs from the uninterrupted run's: the result is no longer the "
+        "uninterrupted run's"
+    )
+    print(msg, flush=True)
+    warnings.warn(msg, stacklevel=3)
+    return {**train, "position": moved, "ranks": None}
+
+
 def _check_same_fit(learn, pos, n_epoch):
     "A resumed fit must be the fit that was saved, or the result silently changes."
     diffs = []
@@ -295,7 +356,7 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
     saved = a.train if a is not None else None
     pos = saved["position"] if saved else None
     if saved is not None and not explicit and pos["world_size"] != dist.world():  # moved, counted in samples
-        saved = sharded.continue_at(learn, saved, a.path, n_epoch)
+        saved = continue_at(learn, saved, a.path, n_epoch)
         pos = saved["position"]
     target = io.skip_plan(
         saved is not None,

@@ -19,7 +19,7 @@ Reading (`read`): at the same world size each rank reads only its own file; the 
 live model's DTensors again (`DTensor.from_local`, no collective). At another world size, or into a model
 that is not sharded, each tensor this rank needs is rebuilt from the saved chunks that overlap it
 (`_Shards.region`: shard files mapped, each blob verified when first read); the training position then
-moves to the new world size counted in samples (`continue_at`). A file checkpoint (one process, DDP) read
+moves to the new world size counted in samples (`session.continue_at`). A file checkpoint (one process, DDP) read
 into a sharded model gives each rank its own part of each full tensor.
 """
 
@@ -29,12 +29,11 @@ import os
 import re
 import secrets
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
-from . import checkpoint, dist, io, loaders, paths, stored
+from . import checkpoint, dist, io, paths, stored
 from .io import CheckpointError
 from .paths import MANIFEST
 from .snapshot import BackgroundCommit
@@ -48,7 +47,6 @@ __all__ = [
     "read_manifest",
     "problem",
     "verify",
-    "continue_at",
     "save_model",
     "shard_name",
     "localize",
@@ -691,68 +689,6 @@ def gathered(path) -> dict:
     for e in entries:
         _set_at(tree, e["path"], shards.region(e["path"], e["shape"], (0,) * len(e["shape"]), e["shape"]))
     return tree
-
-
-# ---- another world size -----------------------------------------------------------------------------
-
-
-def batches_per_rank(n_iter_all: int, world: int) -> int:
-    "Training batches per rank per epoch for a loader of `n_iter_all` batches (fastai's `DistributedDL.__len__`)."
-    return -(-n_iter_all // world) if world > 1 else n_iter_all
-
-
-def continue_at(learn, train: dict, source, n_epoch: int) -> dict:
-    """The saved training state of a fit of another world size, as this fit continues it: the position
-    counted in samples (the epoch's training samples done across the saved ranks, in whole batches of this
-    world size; what does not make a whole batch is trained again). Says plainly that the run is no longer
-    the uninterrupted one: every rank's share of the data differs. Raises what cannot be continued."""
-    pos = train["position"]
-    old, new = pos["world_size"], dist.world()
-    bs = pos["bs"]
-    if loaders.is_stream(learn.dls.train):
-        raise ValueError(
-            f"{source} was saved by {old} process(es); this fit runs {new}. Its training data is a stream, whose "
-            "position cannot be moved to another number of processes: resume it with "
-            f"{old}, or pass start_epoch to start an epoch anew"
-        )
-    if not bs:
-        raise ValueError(f"{source}: its training loader has no batch size: it cannot be continued by {new} processes")
-    if train.get("grads") is not None:
-        raise ValueError(
-            f"{source} was saved by {old} process(es) in the middle of a gradient accumulation; its partial "
-            f"gradients (sums over each process's own batches) cannot be continued by {new}: resume it with "
-            f"{old}, or from a checkpoint saved at an optimizer step"
-        )
-    n_iter = batches_per_rank(pos["n_iter_all"], new)
-    done = pos["iter"] * bs * old  # training samples of this epoch done, across the saved ranks
-    if pos.get("loader_done") or pos["iter"] >= pos["n_iter"]:
-        it = n_iter
-    else:
-        it = min(done // (bs * new), n_iter)
-    again = done - it * bs * new if it < n_iter else 0
-    epoch = pos["epoch"]
-    train_iter = epoch * n_iter + it
-    moved = {
-        **pos,
-        "iter": it,
-        "n_iter": n_iter,
-        "train_iter": train_iter,
-        "pct_train": train_iter / max(1, n_epoch * n_iter),
-        "world_size": new,
-        "saved_world_size": old,
-    }
-    msg = (
-        f"fastai_resume: {source} was saved by {old} process(es) and this fit runs {new}: it continues at epoch "
-        f"{epoch}, iteration {it} of {n_iter} per process (the position counted in samples: {done:,} training "
-        "samples of the epoch were done"
-        + (f"; {again:,} of them, less than a batch of every process, are trained again" if again else "")
-        + f"). The model and optimizer are the saved ones, rebuilt exactly for {new} process(es), but each "
-        "process's share of the data differs from the uninterrupted run's: the result is no longer the "
-        "uninterrupted run's"
-    )
-    print(msg, flush=True)
-    warnings.warn(msg, stacklevel=3)
-    return {**train, "position": moved, "ranks": None}
 
 
 # ---- AutoCheckpoint --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from procs import ENV, FORKS, HERE, equal, kill_job, shared_run, start, torchrun
 from torch import nn
 
 import fastai_resume as fr
-from fastai_resume import io, sharded, stored
+from fastai_resume import io, session, sharded, stored
 from fastai_resume.__main__ import main as cli
 
 BS = 32
@@ -269,11 +269,11 @@ def test_continuing_at_another_world_size_counts_the_position_in_samples():
     pos = {"epoch": 1, "iter": 10, "n_iter": 23, "n_epoch": 3, "bs": 32, "world_size": 2, "n_iter_all": 46}
     train = {"position": pos, "grads": None, "ranks": None}
     with pytest.warns(UserWarning, match="no longer the uninterrupted run's"):
-        moved = sharded.continue_at(Learn(), train, "ckpt", 3)["position"]  # (world size 1 here)
+        moved = session.continue_at(Learn(), train, "ckpt", 3)["position"]  # (world size 1 here)
     assert (moved["epoch"], moved["iter"], moved["n_iter"], moved["world_size"]) == (1, 20, 46, 1)
     assert moved["train_iter"] == 46 + 20 and moved["pct_train"] == 66 / 138
     with pytest.raises(ValueError, match="gradient accumulation"):
-        sharded.continue_at(Learn(), {**train, "grads": [torch.zeros(1)]}, "ckpt", 3)
+        session.continue_at(Learn(), {**train, "grads": [torch.zeros(1)]}, "ckpt", 3)
 
 
 # ---- real fully_shard on 2 and 4 processes -----------------------------------------------------------
