@@ -3,30 +3,38 @@
 `import fastai_resume` patches `Learner.save`, `Learner.load`, `Learner.fit` and the fit wrappers
 on the installed fastai (`patches`), when fastai's Learner is imported (at once if it is already);
 nothing else in the user's code changes, and nothing of fastai is imported that the user's code does
-not import itself (the command-line tool imports no fastai at all). Where things live, bottom up
-(each module imports only those above it):
+not import itself (the command-line tool imports no fastai at all). Where things live, bottom up:
+each module imports only those listed before it (`tests/test_layering.py` checks it, function-level
+imports too), and only io imports the C core.
 
-    _core (csrc/), io.py   the checkpoint format (pickle-free, verified, atomic)
-    paths.py, dist.py      where a name's file is; torch.distributed plumbing
+    _core (csrc/), io.py   the checkpoint format (pickle-free, verified, atomic); the walk of a value tree
+    _hooks.py              code run when a module is imported (the patches wait for fastai's)
+    paths.py               where a name's file is
+    stored.py              a checkpoint on disk, a file or a folder: exists, size, removal; temporary files
     fastai_classes.py      "is this fastai's X?", without importing fastai
+    dist.py                torch.distributed plumbing
     state.py, loaders.py,  pieces of the training state: RNG, Recorder, hidden state, gradients;
-    callbacks.py,          each DataLoader's iteration state and the skip of k batches; the
-    trackers.py            callbacks' state (fastai's, TensorBoard's and W&B's, the user's hooks)
+    trackers.py,           each DataLoader's iteration state and the skip of k batches; the
+    callbacks.py           callbacks' state (TensorBoard's and W&B's, fastai's, the user's hooks)
     trainstate.py          the checkpoint's training state: version, capture, validation, restore
     script.py              what is known about one learner's script (and the hooks that act on it)
     frozen.py              what a checkpoint holds of a model: what trains, the frozen rest by fingerprint
     checkpoint.py          the Learner checkpoint: tree, commit, read, load into the learner
     check.py               `fastai-resume check`
-    between.py, stages.py  the script's stages, their end states and what it does between them
-    session.py             one fit's resume: its callback, position, skip, restore
     snapshot.py            background saves (a copy at the batch boundary, written by a thread)
+    sharded.py, dcp.py     a sharded (FSDP2) model's checkpoints: a file per rank, a manifest, read at
+                           any world size; torch.distributed.checkpoint (DCP) import and export
+    between.py, stages.py  the script's stages, their end states and what it does between them
+    session.py             one fit's resume: its callback, position (at another world size too), skip, restore
     remote.py              checkpoints mirrored to object storage (fsspec), resumed from it elsewhere
-    sharded.py, dcp.py     a sharded (FSDP2) model's checkpoints: a file per rank, a manifest; other
-                           world sizes; torch.distributed.checkpoint (DCP) import and export
     runfolder.py,          AutoCheckpoint: a run's files (names, lock, retention); when to save,
     autosave.py            autoresume, preemption, the remote mirror
+    compat.py              the fastai releases the patches are tested with
     patches.py             every patch of fastai
     fsdp.py                fsdp_ctx: training a model sharded with FSDP2 (torchrun, gloo or NCCL)
+    __main__.py            the command-line tool (`fastai-resume`), its remote commands too
+    __init__.py            this: the public names, each module imported on first use
+    demo.py                `python -m fastai_resume.demo`: a user's script, killed and resumed
 """
 
 import importlib
