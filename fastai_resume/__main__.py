@@ -6,7 +6,7 @@
     verify FILE_OR_DIR    one line per checkpoint (OK, or BAD and what is wrong); a folder's other
                           files are skipped, each on a SKIP line, and a summary line ends the list; a
                           sharded checkpoint is one checkpoint (its manifest and every shard); both take a
-                          URL too, `s3://bucket/run/...`: `remote.cli_inspect`, `cli_verify`
+                          URL too, `s3://bucket/run/...` (`_remote_inspect`, `_remote_verify`)
     convert SRC DST       fastai_resume checkpoint (a file or a sharded folder) -> vanilla fastai .pth
                           (for deployment), or back; `--to dcp`: a DCP checkpoint (torch.distributed.
                           checkpoint), and a DCP checkpoint back into a fastai_resume file
@@ -26,7 +26,11 @@ The tool needs neither fastai nor a GPU: it prints its output and nothing else.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io as _io
 import os
+import posixpath
+import re
 import stat
 import sys
 import tempfile
@@ -496,6 +500,79 @@ def cmd_check(a):
     return 0 if r.ok else 1
 
 
+# ---- the same commands on a remote file or folder (a URL) -------------------------------------------
+
+
+def _remote_scan(url: str):
+    """A remote folder's objects for `verify`: (name, None) for each to verify, (name, why) for each other one
+    (markers, the lease, an upload without its marker)."""
+    fs, root = remote.filesystem(url)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(None, f"{url}: no such remote folder") from None
+    names = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") != "directory")
+    have = set(names)
+    for n in names:
+        if n.endswith(remote.MARKER) and n[: -len(remote.MARKER)] in have:
+            yield n, f"the marker of {n[: -len(remote.MARKER)]} (its upload is complete)"
+        elif n.endswith(remote.CORRUPT):
+            yield n, "set aside as corrupt by autoresume (the marker of a copy that did not verify)"
+        elif n.startswith(".") and n.endswith(".lock"):
+            yield n, "a run's lock (the process mirroring it)"
+        elif n.endswith(io.EXT) and n + remote.MARKER not in have and re.search("-" + stored.AUTO_NAME, n):
+            yield n, "an upload without its marker (in progress, or killed): not a checkpoint yet"
+        else:
+            yield n, None
+
+
+def _remote_inspect(a) -> int:
+    "`fastai-resume inspect URL`: the command run on a downloaded copy, its output naming the URL."
+    url = a.file
+    with remote.local_copy(url) as local:
+        a.file = str(local)
+        buf = _io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                return cmd_inspect(a)
+        except (OSError, CheckpointError, ValueError) as e:
+            raise type(e)(str(e).replace(str(local), url)) from None
+        finally:
+            sys.stdout.write(buf.getvalue().replace(str(local), url))
+
+
+def _remote_verify(url: str) -> int:
+    """`fastai-resume verify URL`: a remote file, or each object of a remote folder, as `verify` does a local
+    one (OK, BAD and why, SKIP and why; a summary line for a folder). Each checkpoint is downloaded to a
+    temporary folder and checked against its upload's marker, then as a local file is (`_problem`)."""
+    folder = remote.is_folder(url)
+    base = url if url.endswith("/") else url + "/"
+    entries = _remote_scan(url) if folder else [(None, None)]
+    ok = bad = skipped = 0
+    for name, skip in entries:
+        shown = base + name if name is not None else url
+        if skip:
+            skipped += 1
+            print(f"SKIP {shown}: {skip}")
+            continue
+        try:
+            with remote.local_copy(shown) as local:
+                why = _problem(local)
+        except CheckpointError as e:
+            why = str(e).replace(remote.filesystem(shown)[1] + ": ", "")
+        if why:
+            bad += 1
+            print(f"BAD  {shown}: {why}")
+        else:
+            ok += 1
+            print(f"OK   {shown}")
+    if folder:
+        print(f"{ok} ok, {bad} bad, {skipped} skipped")
+        if ok + bad == 0:
+            raise FileNotFoundError(None, f"{url}: no fastai_resume checkpoint in this remote folder")
+    return 1 if bad else 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(
         prog="fastai-resume", description="Inspect, verify and convert fastai_resume checkpoints."
@@ -533,7 +610,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     try:
         if a.cmd in ("inspect", "verify") and remote.is_url(a.file if a.cmd == "inspect" else a.target):
-            return remote.cli_inspect(a, cmd_inspect) if a.cmd == "inspect" else remote.cli_verify(a.target, _problem)
+            return _remote_inspect(a) if a.cmd == "inspect" else _remote_verify(a.target)
         return {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert, "check": cmd_check}[a.cmd](a) or 0
     except (Failure, CheckpointError, OSError, ImportError) as e:
         msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__

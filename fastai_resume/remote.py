@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io as _io
 import json
 import os
 import posixpath
@@ -55,7 +54,7 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 CHUNK = 16 << 20  # one part of an upload, one ranged read of a download: the memory a transfer holds
 RENEW = 15.0  # seconds between two renewals of the run's lease
 MARKER, CORRUPT = ".done", ".corrupt"
-_END_KEY = re.compile(r"^(?P<file>.+-s\d{3}-end" + re.escape(io.EXT) + r")\.t(?P<token>[0-9a-f]{16})$")
+_END_KEY = re.compile(r"^(?P<file>.+" + stored.STAGE_END + r")\.t(?P<token>[0-9a-f]{16})$")
 
 
 class RemoteError(OSError):
@@ -312,9 +311,7 @@ class RemoteRun:
         self.fs, self.root = filesystem(url, options)
         self.folder = Path(folder)
         self.prefix = f"{fname}-{run_id}-"
-        self.pattern = re.compile(
-            re.escape(self.prefix) + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}" + re.escape(io.EXT) + "$"
-        )
+        self.pattern = stored.run_checkpoints(self.prefix)
 
     def key(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -958,73 +955,3 @@ def local_copy(url: str):
 def is_folder(url: str) -> bool:
     fs, key = filesystem(url)
     return url.endswith("/") or fs.isdir(key)
-
-
-def scan(url: str):
-    """A remote folder's objects for `verify`: (name, None) for each to verify, (name, why) for each other one
-    (markers, the lease, an upload without its marker)."""
-    fs, root = filesystem(url)
-    try:
-        entries = fs.ls(root, detail=True)
-    except FileNotFoundError:
-        raise FileNotFoundError(None, f"{url}: no such remote folder") from None
-    names = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") != "directory")
-    have = set(names)
-    for n in names:
-        if n.endswith(MARKER) and n[: -len(MARKER)] in have:
-            yield n, f"the marker of {n[: -len(MARKER)]} (its upload is complete)"
-        elif n.endswith(CORRUPT):
-            yield n, "set aside as corrupt by autoresume (the marker of a copy that did not verify)"
-        elif n.startswith(".") and n.endswith(".lock"):
-            yield n, "a run's lock (the process mirroring it)"
-        elif n.endswith(io.EXT) and n + MARKER not in have and re.search(r"-g\d{3}-s\d{3}-f\d{2}-e\d{6}-i\d{10}", n):
-            yield n, "an upload without its marker (in progress, or killed): not a checkpoint yet"
-        else:
-            yield n, None
-
-
-def cli_inspect(a, inspect) -> int:
-    "`fastai-resume inspect URL`: the command run on a downloaded copy, its output naming the URL."
-    url = a.file
-    with local_copy(url) as local:
-        a.file = str(local)
-        buf = _io.StringIO()
-        try:
-            with contextlib.redirect_stdout(buf):
-                return inspect(a)
-        except (OSError, CheckpointError, ValueError) as e:
-            raise type(e)(str(e).replace(str(local), url)) from None
-        finally:
-            sys.stdout.write(buf.getvalue().replace(str(local), url))
-
-
-def cli_verify(url: str, problem) -> int:
-    """`fastai-resume verify URL`: a remote file, or each object of a remote folder, as `verify` does a local
-    one (OK, BAD and why, SKIP and why; a summary line for a folder). Each checkpoint is downloaded to a
-    temporary folder and checked against its upload's marker, then as a local file is (`problem`)."""
-    folder = is_folder(url)
-    base = url if url.endswith("/") else url + "/"
-    entries = scan(url) if folder else [(None, None)]
-    ok = bad = skipped = 0
-    for name, skip in entries:
-        shown = base + name if name is not None else url
-        if skip:
-            skipped += 1
-            print(f"SKIP {shown}: {skip}")
-            continue
-        try:
-            with local_copy(shown) as local:
-                why = problem(local)
-        except CheckpointError as e:
-            why = str(e).replace(_split(shown)[1] + ": ", "")
-        if why:
-            bad += 1
-            print(f"BAD  {shown}: {why}")
-        else:
-            ok += 1
-            print(f"OK   {shown}")
-    if folder:
-        print(f"{ok} ok, {bad} bad, {skipped} skipped")
-        if ok + bad == 0:
-            raise FileNotFoundError(None, f"{url}: no fastai_resume checkpoint in this remote folder")
-    return 1 if bad else 0

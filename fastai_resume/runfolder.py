@@ -48,10 +48,8 @@ class RunFolder:
     def __init__(self, folder: Path, fname: str, run_id: str, keep: int):
         self.folder, self.fname, self.run_id, self.keep = folder, fname, run_id, keep
         self.prefix = f"{fname}-{run_id}-"
-        self.pattern = re.compile(
-            re.escape(self.prefix) + r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}" + re.escape(io.EXT) + "$"
-        )
-        self.ends = re.compile(re.escape(self.prefix) + r"g(\d{3})-s\d{3}-end" + re.escape(io.EXT) + "$")
+        self.pattern = stored.run_checkpoints(self.prefix)
+        self.ends = re.compile(re.escape(self.prefix) + r"g(\d{3})" + stored.STAGE_END + "$")
         self.attempt: int | None = None
         self._lock: tuple | None = None  # (open file, path) while this process trains the run
 

@@ -25,7 +25,22 @@ __all__ = [
     "temp_name",
     "remove_dead_temps",
     "alive",
+    "AUTO_NAME",
+    "STAGE_END",
+    "run_checkpoints",
 ]
+
+# The names AutoCheckpoint gives a run's files (`runfolder`): `<fname>-<run id>-` then, for a checkpoint,
+# AUTO_NAME and the extension (group 1: the attempt); for a stage's end state (`between`) `g<attempt>` and
+# STAGE_END (any save's stage ends are `<stem>` and STAGE_END).
+AUTO_NAME = r"g(\d{3})-s\d{3}-f\d{2}-e\d{6}-i\d{10}"
+STAGE_END = r"-s\d{3}-end" + re.escape(EXT)
+
+
+def run_checkpoints(prefix: str) -> re.Pattern:
+    "The names of the checkpoints of the run whose files begin with `prefix` (group 1: the attempt)."
+    return re.compile(re.escape(prefix) + AUTO_NAME + re.escape(EXT) + "$")
+
 
 # A commit's temporary file (csrc/commit.c): `.<name>.tmp.<pid>.<16 random hex digits>` (older writers: `.<n>`, a count)
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]+$")
