@@ -22,7 +22,7 @@ from . import check, checkpoint, dist, paths, sharded, stored
 from . import remote as _remote
 from .io import CheckpointError
 from .runfolder import RunFolder, run_identity
-from .script import STAGE_BEGIN_HOOKS, script, session_of
+from .script import STAGE_BEGIN_HOOKS, say, script, session_of
 from .snapshot import BackgroundCommit, SnapshotPool
 
 __all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE"]
@@ -370,7 +370,7 @@ class Saves:
                 if e.errno == errno.ENOSPC and dist.rank() == 0:
                     freed = files.free_space() if attempt == 0 else []
                     if freed:
-                        _say(files.disk_full(path, e, freed, "now"))
+                        say(files.disk_full(path, e, freed, "now"))
                         removed = freed
                         continue
                     self.fail(files.disk_still_full(path, e, removed), e)
@@ -398,7 +398,7 @@ class Saves:
                 freed = [] if retried or last else files.free_space()
                 if freed:
                     self.retried, self.retry = freed, True  # the next training batch saves again, once
-                    _say(files.disk_full(path, e, freed, "at the next batch"))
+                    say(files.disk_full(path, e, freed, "at the next batch"))
                     return
                 self.fail(files.disk_still_full(path, e, retried, fit_ended=last), e)
                 return
@@ -425,7 +425,7 @@ class Saves:
     def fail(self, msg, exc):
         "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn and print."
         if self.on_error == "warn":
-            return _say(msg)
+            return say(msg)
         err = OSError(getattr(exc, "errno", None), msg) if isinstance(exc, OSError) else CheckpointError(msg)
         if not dist.active():
             raise err from exc
@@ -443,12 +443,6 @@ class Saves:
 def _retain(files) -> None:
     for msg in files.remove_stale():
         warnings.warn(msg, stacklevel=3)
-
-
-def _say(msg):
-    "What the operator must hear even where warnings are filtered out: a warning and a printed line."
-    warnings.warn(msg, stacklevel=3)
-    print(msg, flush=True)
 
 
 def _arm(learn, stage) -> None:

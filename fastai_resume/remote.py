@@ -39,11 +39,11 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 
 from . import io, paths, stored
 from .io import CheckpointError
+from .script import say
 
 __all__ = ["INSTALL", "Mirror", "RemoteError", "filesystem", "fetch", "is_url"]
 
@@ -108,12 +108,6 @@ def filesystem(url: str, options: dict | None = None):
 def _is_local(fs) -> bool:
     protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "file" in protos or "local" in protos
-
-
-def _say(msg: str) -> None:
-    "What the operator must hear even where warnings are filtered out (as AutoCheckpoint says it)."
-    warnings.warn(msg, stacklevel=3)
-    print(msg, flush=True)
 
 
 def _age(seconds: float) -> str:
@@ -349,7 +343,7 @@ class RemoteRun:
             try:
                 return self.fetch(name)
             except (CheckpointError, FileNotFoundError) as e:  # (a marker whose data is gone)
-                _say(f"AutoCheckpoint: skipping {self.url}{name}: {_reason(e)}")
+                say(f"AutoCheckpoint: skipping {self.url}{name}: {_reason(e)}")
                 self.set_aside(name)
             except OSError as e:  # this machine's disk (full, read-only): not the remote's fault, and not this run's
                 raise RemoteError(e.errno, f"AutoCheckpoint: could not download {self.url}{name}: {_reason(e)}") from e
@@ -668,7 +662,7 @@ class Uploader:
                 self.last_said = now
                 msgs.append(self._behind(behind, now))
         for m in msgs:
-            _say(m)
+            say(m)
 
     def _behind(self, n: int, now: float) -> str:
         newest = f"its newest checkpoint is {self.newest}" if self.newest else "it has no checkpoint of this run"
@@ -889,12 +883,12 @@ def fetch_ends(fs, root: str, url: str, dest: Path, known: dict) -> str:
             except FileNotFoundError:
                 continue
             except CheckpointError as e:
-                _say(f"fastai_resume: {e}: not used")
+                say(f"fastai_resume: {e}: not used")
                 break
         else:
             missing.append(file)
     if missing:
-        _say(
+        say(
             f"fastai_resume: {url} lacks the stage-end file(s) {', '.join(missing)} that {dest.name} names: a rerun "
             "that skips those stages says so and refuses what would need their state"
         )

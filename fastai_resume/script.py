@@ -13,11 +13,18 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Script", "Armed", "Interrupted", "script", "session_of", "STAGE_BEGIN_HOOKS", "DISARM_HOOKS"]
+__all__ = ["Script", "Armed", "Interrupted", "script", "session_of", "say", "STAGE_BEGIN_HOOKS", "DISARM_HOOKS"]
 
 # Those who act on the script register here, rather than being looked up by it:
 STAGE_BEGIN_HOOKS: list = []  # `hook(learn, stage)` as a stage begins: `fastai-resume check`, AutoCheckpoint
 DISARM_HOOKS: list = []  # `hook(why)` when an armed resume is cancelled: `fastai-resume check`
+
+
+def say(msg: str) -> None:
+    """What the operator must hear even where warnings are filtered out: a warning (pointing at the caller's
+    caller) and a printed line. AutoCheckpoint's and the remote mirror's."""
+    warnings.warn(msg, stacklevel=3)
+    print(msg, flush=True)
 
 
 class Armed:
