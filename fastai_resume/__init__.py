@@ -22,8 +22,10 @@ imports too), and only io imports the C core.
     checkpoint.py          the Learner checkpoint: tree, commit, read, load into the learner
     check.py               `fastai-resume check`
     snapshot.py            background saves (a copy at the batch boundary, written by a thread)
-    sharded.py, dcp.py     a sharded (FSDP2) model's checkpoints: a file per rank, a manifest, read at
-                           any world size; torch.distributed.checkpoint (DCP) import and export
+    shardfiles.py          a sharded checkpoint's files (a manifest, a file per rank): validated, read
+                           without a model, described; any part of a saved tensor from its chunks
+    sharded.py, dcp.py     a sharded (FSDP2) model's checkpoints: written by every rank, read into the
+                           model at any world size; torch.distributed.checkpoint (DCP) import and export
     between.py, stages.py  the script's stages, their end states and what it does between them
     session.py             one fit's resume: its callback, position (at another world size too), skip, restore
     remote.py              checkpoints mirrored to object storage (fsspec), resumed from it elsewhere
@@ -82,6 +84,7 @@ _SUBMODULES = {
     "script",
     "session",
     "sharded",
+    "shardfiles",
     "stages",
     "state",
     "stored",

@@ -37,7 +37,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from . import checkpoint, dcp, io, remote, sharded, stored
+from . import checkpoint, dcp, io, remote, shardfiles, stored
 from .check import check
 from .io import CheckpointError
 from .paths import MANIFEST
@@ -119,7 +119,7 @@ def _is_sharded(p: Path) -> bool:
 def _problem(path) -> str | None:
     "What is wrong with `path` as a checkpoint, or None when it is complete and every checksum verifies."
     if _is_sharded(Path(path)):
-        return sharded.problem(path)
+        return shardfiles.problem(path)
     head, size = _head(path)
     if not _claims_format(head, size):
         return _not_ours(head)
@@ -168,7 +168,7 @@ def _part(offset, local, shape) -> str:
 
 
 def _inspect_sharded(a) -> int:
-    d = sharded.describe(a.file)
+    d = shardfiles.describe(a.file)
     m, ranks = d["manifest"], d["ranks"]
     bad = [r for r in ranks if r["problem"]]
     state = "all checksums verify" if not bad else f"{len(bad)} of {len(ranks)} rank files BAD"
@@ -320,9 +320,9 @@ def cmd_verify(a):
 
 def _verify_sharded(target: Path) -> int:
     "One sharded checkpoint: its verdict, then its manifest and every rank's file, each on a line."
-    why = sharded.problem(target)
+    why = shardfiles.problem(target)
     try:
-        m = sharded.read_manifest(target)
+        m = shardfiles.read_manifest(target)
     except CheckpointError:
         m = None
     what = f" (sharded, {m['world_size']} ranks, save {m['token']:016x})" if m else ""
@@ -416,7 +416,7 @@ def _source(src: Path, head: bytes | None, size: int) -> tuple:
             tree = dcp.read(src)
             what = "a DCP checkpoint"
         elif _is_sharded(src):
-            tree = sharded.gathered(src)  # every tensor whole, in this one process
+            tree = shardfiles.gathered(src)  # every tensor whole, in this one process
             _check_learner(tree, src)
             what = "a sharded checkpoint"
         else:

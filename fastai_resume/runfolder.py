@@ -18,7 +18,7 @@ import re
 import warnings
 from pathlib import Path
 
-from . import dist, io, loaders, sharded, stored
+from . import dist, io, loaders, shardfiles, stored
 from .io import CheckpointError
 
 __all__ = ["RunFolder", "run_identity"]
@@ -80,7 +80,7 @@ class RunFolder:
         counts it; any other error (EMFILE, ENOMEM, EACCES ...) is raised: the file may be fine."""
         for p in reversed(self.checkpoints()):
             try:
-                sharded.verify(p)  # a file, or a sharded checkpoint's folder: the manifest and every shard
+                shardfiles.verify(p)  # a file, or a sharded checkpoint's folder: the manifest and every shard
                 return p
             except CheckpointError as e:
                 warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=3)

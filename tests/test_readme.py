@@ -127,7 +127,7 @@ def sharded_training(cwd, out):
     assert len(names) == 3 and all((cwd / "models" / n / "manifest.frk").is_file() for n in names), names
     for n in names:
         assert len(list((cwd / "models" / n).iterdir())) == 3  # the manifest and 2 ranks' files
-        fr.sharded.verify(cwd / "models" / n)
+        fr.shardfiles.verify(cwd / "models" / n)
 
 
 PROMISES = {

@@ -22,7 +22,7 @@ from procs import ENV, FORKS, HERE, equal, kill_job, shared_run, start, torchrun
 from torch import nn
 
 import fastai_resume as fr
-from fastai_resume import io, session, sharded, stored
+from fastai_resume import io, session, shardfiles, stored
 from fastai_resume.__main__ import main as cli
 
 BS = 32
@@ -92,13 +92,13 @@ def build_sharded(folder, world=2, token=0x1234ABCD):
             "train": None,
             "shard": {"rank": r, "world_size": world, "token": token, "dtensors": entries},
         }
-        sizes.append(io.save(tree, os.path.join(folder, sharded.shard_name(r, world, token))))
+        sizes.append(io.save(tree, os.path.join(folder, shardfiles.shard_name(r, world, token))))
     manifest = {
         "fastai_resume_sharded": 1,
         "kind": "model",
         "token": token,
         "world_size": world,
-        "shards": [{"rank": r, "file": sharded.shard_name(r, world, token), "size": sizes[r]} for r in range(world)],
+        "shards": [{"rank": r, "file": shardfiles.shard_name(r, world, token), "size": sizes[r]} for r in range(world)],
         "position": None,
     }
     io.save(manifest, os.path.join(folder, "manifest.frk"))
@@ -155,20 +155,20 @@ def test_verify_and_inspect_read_every_shard_and_the_manifest(ckpt, capsys):
 
 def test_a_missing_shard_invalidates_the_whole_checkpoint(ckpt, tmp_path, capsys):
     folder, _, _ = ckpt
-    (folder / sharded.shard_name(1, 2, 0x1234ABCD)).unlink()
+    (folder / shardfiles.shard_name(1, 2, 0x1234ABCD)).unlink()
     assert cli(["verify", str(folder)]) == 1
     assert "BAD" in capsys.readouterr().out
-    assert "rank 1's file" in sharded.problem(folder)
+    assert "rank 1's file" in shardfiles.problem(folder)
     learn = _learner(tmp_path)
     with pytest.raises(fr.CheckpointError, match="rank 1's file .* is missing"):
         learn.load("two")
     # negative control: rank 0's file alone is complete and verifies: only the manifest's rule refuses it
-    fr.info(folder / sharded.shard_name(0, 2, 0x1234ABCD), verify=True)
+    fr.info(folder / shardfiles.shard_name(0, 2, 0x1234ABCD), verify=True)
 
 
 def test_a_corrupt_shard_is_found_by_verify_and_refused_by_load(ckpt, tmp_path, capsys):
     folder, _, _ = ckpt
-    f = folder / sharded.shard_name(1, 2, 0x1234ABCD)
+    f = folder / shardfiles.shard_name(1, 2, 0x1234ABCD)
     b = bytearray(f.read_bytes())
     b[100] ^= 0xFF  # in the first blob
     f.write_bytes(bytes(b))
@@ -185,7 +185,7 @@ def test_a_folder_without_its_manifest_is_no_checkpoint(ckpt, tmp_path):
     (folder / "manifest.frk").unlink()  # what a save killed before its manifest leaves
     assert not stored.exists(folder)
     with pytest.raises(fr.CheckpointError, match="no manifest.frk"):
-        sharded.verify(folder)
+        shardfiles.verify(folder)
     with pytest.raises(fr.CheckpointError, match="did not finish"):
         _learner(tmp_path).load("two")
 
@@ -224,12 +224,12 @@ def test_a_malformed_manifest_is_refused_with_what_is_wrong(ckpt, change, error)
     change(m)
     fr.save(m, folder / "manifest.frk")
     with pytest.raises(fr.CheckpointError, match=error):
-        sharded.read_manifest(folder)
+        shardfiles.read_manifest(folder)
 
 
 def test_a_chunk_outside_its_tensor_is_refused(ckpt, tmp_path):
     folder, _, _ = ckpt
-    f = folder / sharded.shard_name(1, 2, 0x1234ABCD)
+    f = folder / shardfiles.shard_name(1, 2, 0x1234ABCD)
     tree = fr.load(f)
     tree["shard"]["dtensors"][0]["offset"] = [6, 0]  # 3 rows at row 6 of 7
     size = fr.save(tree, f)
@@ -364,7 +364,7 @@ def test_the_reference_run_shards_unevenly_keeps_per_rank_batchnorm_and_splits_t
 def test_kill_every_rank_mid_epoch_then_load_resumes_bitwise_on_every_rank(tmp_root, tmp_path, n, epoch, k, args):
     ref = reference(tmp_root, n, *args)
     folder = from_killed(tmp_root, tmp_path, n, epoch, k, *args)
-    m = sharded.read_manifest(folder)
+    m = shardfiles.read_manifest(folder)
     assert m["world_size"] == n and (m["position"]["epoch"], m["position"]["iter"]) == (epoch, k)
     rows = [fr.load(folder / s["file"])["model"]["0.weight"].shape[0] for s in m["shards"]]
     assert rows == _local_rows(n)  # each rank wrote its own rows: no file holds the gathered weight
@@ -406,7 +406,7 @@ def test_autocheckpoint_sigkill_of_every_rank_then_autoresume_is_bitwise_equal(t
     assert_same_on_every_rank(ref, ranks(tmp_path / "out.frk", 2), 2)
     models = tmp_path / "models"
     kept = [c for c in models.glob("auto-*.frk") if not c.name.endswith("-end.frk")]
-    assert len(kept) == 2 and all(sharded.problem(c) is None for c in kept)  # keep=2, each a folder that verifies
+    assert len(kept) == 2 and all(shardfiles.problem(c) is None for c in kept)  # keep=2, each a folder that verifies
     assert all(len(list(c.glob("shard-*"))) == 2 for c in kept)
     assert not list(models.glob("**/.*tmp*"))
 
@@ -423,7 +423,7 @@ def test_sigkill_of_one_rank_mid_save_leaves_no_checkpoint_and_autoresume_takes_
     # both ranks' files of the third save are complete and verify on their own; without the manifest,
     # which rank 0 writes only once every rank has said its file is committed, it is no checkpoint
     assert [fr.info(f, verify=True)["size"] > 0 for f in sorted(third.glob("shard-*"))] == [True, True]
-    assert not stored.exists(third) and "no manifest.frk" in sharded.problem(third)
+    assert not stored.exists(third) and "no manifest.frk" in shardfiles.problem(third)
     p = launch(2, tmp_path, tmp_path / "out.frk", *args)
     assert "i0000000008.frk" in p.stdout.split("AutoCheckpoint: found")[1].splitlines()[0]
     assert_same_on_every_rank(ref, ranks(tmp_path / "out.frk", 2), 2)
