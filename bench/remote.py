@@ -43,7 +43,7 @@ from fastai.torch_core import set_seed  # noqa: E402
 from s3server import Server  # noqa: E402
 
 import fastai_resume  # noqa: E402
-from fastai_resume import remote  # noqa: E402
+from fastai_resume import objstore, remote  # noqa: E402
 
 
 def learner(path, iters, emb, cbs=()):
@@ -147,7 +147,7 @@ def main():
     info = common.machine(HERE)
     server = Server(nice=a.server_nice)
     os.environ.update(server.env())
-    remote.filesystem("s3://bench/")[0].mkdir("bench")
+    objstore.filesystem("s3://bench/")[0].mkdir("bench")
     t_start = time.perf_counter()
     wall = {"local": [], "remote": []}
     cpu = {"local": [], "remote": []}

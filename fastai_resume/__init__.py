@@ -28,7 +28,8 @@ imports too), and only io imports the C core.
                            model at any world size; torch.distributed.checkpoint (DCP) import and export
     between.py, stages.py  the script's stages, their end states and what it does between them
     session.py             one fit's resume: its callback, position (at another world size too), skip, restore
-    remote.py              checkpoints mirrored to object storage (fsspec), resumed from it elsewhere
+    objstore.py            object storage (fsspec): checked transfers, markers; `learn.load(url)`
+    remote.py              one run's checkpoints mirrored to object storage, resumed from it elsewhere
     runfolder.py,          AutoCheckpoint: a run's files (names, lock, retention); when to save,
     autosave.py            autoresume, preemption, the remote mirror
     compat.py              the fastai releases the patches are tested with
@@ -77,6 +78,7 @@ _SUBMODULES = {
     "fsdp",
     "frozen",
     "loaders",
+    "objstore",
     "patches",
     "paths",
     "remote",

@@ -37,7 +37,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from . import checkpoint, dcp, io, remote, shardfiles, stored
+from . import checkpoint, dcp, io, objstore, shardfiles, stored
 from .check import check
 from .io import CheckpointError
 from .paths import MANIFEST
@@ -506,7 +506,7 @@ def cmd_check(a):
 def _remote_scan(url: str):
     """A remote folder's objects for `verify`: (name, None) for each to verify, (name, why) for each other one
     (markers, the lease, an upload without its marker)."""
-    fs, root = remote.filesystem(url)
+    fs, root = objstore.filesystem(url)
     try:
         entries = fs.ls(root, detail=True)
     except FileNotFoundError:
@@ -514,13 +514,13 @@ def _remote_scan(url: str):
     names = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") != "directory")
     have = set(names)
     for n in names:
-        if n.endswith(remote.MARKER) and n[: -len(remote.MARKER)] in have:
-            yield n, f"the marker of {n[: -len(remote.MARKER)]} (its upload is complete)"
-        elif n.endswith(remote.CORRUPT):
+        if n.endswith(objstore.MARKER) and n[: -len(objstore.MARKER)] in have:
+            yield n, f"the marker of {n[: -len(objstore.MARKER)]} (its upload is complete)"
+        elif n.endswith(objstore.CORRUPT):
             yield n, "set aside as corrupt by autoresume (the marker of a copy that did not verify)"
         elif n.startswith(".") and n.endswith(".lock"):
             yield n, "a run's lock (the process mirroring it)"
-        elif n.endswith(io.EXT) and n + remote.MARKER not in have and re.search("-" + stored.AUTO_NAME, n):
+        elif n.endswith(io.EXT) and n + objstore.MARKER not in have and re.search("-" + stored.AUTO_NAME, n):
             yield n, "an upload without its marker (in progress, or killed): not a checkpoint yet"
         else:
             yield n, None
@@ -529,7 +529,7 @@ def _remote_scan(url: str):
 def _remote_inspect(a) -> int:
     "`fastai-resume inspect URL`: the command run on a downloaded copy, its output naming the URL."
     url = a.file
-    with remote.local_copy(url) as local:
+    with objstore.local_copy(url) as local:
         a.file = str(local)
         buf = _io.StringIO()
         try:
@@ -545,7 +545,7 @@ def _remote_verify(url: str) -> int:
     """`fastai-resume verify URL`: a remote file, or each object of a remote folder, as `verify` does a local
     one (OK, BAD and why, SKIP and why; a summary line for a folder). Each checkpoint is downloaded to a
     temporary folder and checked against its upload's marker, then as a local file is (`_problem`)."""
-    folder = remote.is_folder(url)
+    folder = objstore.is_folder(url)
     base = url if url.endswith("/") else url + "/"
     entries = _remote_scan(url) if folder else [(None, None)]
     ok = bad = skipped = 0
@@ -556,10 +556,10 @@ def _remote_verify(url: str) -> int:
             print(f"SKIP {shown}: {skip}")
             continue
         try:
-            with remote.local_copy(shown) as local:
+            with objstore.local_copy(shown) as local:
                 why = _problem(local)
         except CheckpointError as e:
-            why = str(e).replace(remote.filesystem(shown)[1] + ": ", "")
+            why = str(e).replace(objstore.filesystem(shown)[1] + ": ", "")
         if why:
             bad += 1
             print(f"BAD  {shown}: {why}")
@@ -609,7 +609,7 @@ def main(argv=None):
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     try:
-        if a.cmd in ("inspect", "verify") and remote.is_url(a.file if a.cmd == "inspect" else a.target):
+        if a.cmd in ("inspect", "verify") and objstore.is_url(a.file if a.cmd == "inspect" else a.target):
             return _remote_inspect(a) if a.cmd == "inspect" else _remote_verify(a.target)
         return {"inspect": cmd_inspect, "verify": cmd_verify, "convert": cmd_convert, "check": cmd_check}[a.cmd](a) or 0
     except (Failure, CheckpointError, OSError, ImportError) as e:

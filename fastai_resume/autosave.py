@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fastai.callback.core import Callback
 
-from . import check, checkpoint, dist, paths, sharded, stored
+from . import check, checkpoint, dist, objstore, paths, sharded, stored
 from . import remote as _remote
 from .io import CheckpointError
 from .runfolder import RunFolder, run_identity
@@ -141,7 +141,7 @@ class AutoCheckpoint(Callback):
         self.on_error, self.fast_forward = on_error, fast_forward
         self.remote, self.remote_options, self.remote_wait = remote, remote_options, remote_wait
         if remote is not None:
-            _remote.filesystem(remote, remote_options)  # a missing package or a malformed URL: said now
+            objstore.filesystem(remote, remote_options)  # a missing package or a malformed URL: said now
         self._no_run_yet()
 
     def _no_run_yet(self) -> None:

@@ -31,7 +31,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import between, checkpoint, dist, frozen, io, paths, remote, sharded, state
+from . import between, checkpoint, dist, frozen, io, objstore, paths, sharded, state
 from ._hooks import imported
 from .compat import check_fastai_version
 from .fastai_classes import fastai_class, is_a
@@ -149,8 +149,8 @@ _SAVES_WITH_ITER = [0]  # resumable saves made by `Learner.save`: a subclass's `
 
 def _found_checkpoint(learn, file):
     "The file `learn.load(file)` reads, and whether it is ours: `(path or None, is ours)`."
-    if remote.is_url(file):  # s3://..., file://...: downloaded into the model folder first (`remote.fetch`)
-        path = remote.fetch(learn, file)
+    if objstore.is_url(file):  # s3://..., file://...: downloaded into the model folder first (`objstore.fetch`)
+        path = objstore.fetch(learn, file)
         return path, io.is_checkpoint(path)
     if not paths.is_path(file):
         return None, False

@@ -23,6 +23,7 @@ backoff while the remote fails, then applies `keep` there (the marker of a stale
 and only after a newer one is complete). Training never waits for it, but at the end of the process
 (a normal end, an exception, a SIGTERM's exit), which waits up to `wait` seconds for the newest
 checkpoint to be mirrored. What it says (behind, caught up, given up) is said in the training thread.
+The transfers, markers and names it uses are `objstore`'s.
 """
 
 from __future__ import annotations
@@ -32,233 +33,46 @@ import contextlib
 import json
 import os
 import posixpath
-import re
 import secrets
 import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from . import io, paths, stored
+from . import io, stored
 from .io import CheckpointError
+from .objstore import (
+    CORRUPT,
+    END_KEY,
+    MARKER,
+    NO_CREDENTIALS,
+    TMP_NAME,
+    RemoteError,
+    download,
+    end_key,
+    ends_named,
+    fetch_ends,
+    filesystem,
+    is_local,
+    local_crc,
+    parse_marker,
+    plain_name,
+    put_whole,
+    reason,
+    remote_crc,
+    upload,
+)
 from .script import say
 
-__all__ = ["INSTALL", "Mirror", "RemoteError", "filesystem", "fetch", "is_url"]
+__all__ = ["Mirror", "mirror_for", "RENEW"]
 
-INSTALL = "pip install 'fastai-resume[remote]'"
-_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError")  # botocore's, google's
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-CHUNK = 16 << 20  # one part of an upload, one ranged read of a download: the memory a transfer holds
 RENEW = 15.0  # seconds between two renewals of the run's lease
-MARKER, CORRUPT = ".done", ".corrupt"
-_END_KEY = re.compile(r"^(?P<file>.+" + stored.STAGE_END + r")\.t(?P<token>[0-9a-f]{16})$")
-
-
-class RemoteError(OSError):
-    "The remote cannot be used (credentials refused, no such bucket, unreachable); the message says which."
-
-
-def is_url(file) -> bool:
-    "A URL (`s3://...`, `file://...`) rather than a local name or path."
-    return isinstance(file, str) and _URL.match(file) is not None
-
-
-_TMP = re.compile(r"\.tmp-[0-9a-f]{12}$")  # put_whole's temporary names
-
-
-def put_whole(fs, key: str, data: bytes) -> None:
-    """A small object (a marker, the lease) written whole or not at all. An object store's PUT is that
-    already; on a file system (`file://`, a mounted network folder) a process killed mid-write would leave
-    it torn, so there it is written under a temporary name in the same folder, synced, and renamed over."""
-    if not _is_local(fs):
-        fs.pipe_file(key, data)
-        return
-    tmp = f"{key}.tmp-{secrets.token_hex(6)}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, key)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
-def filesystem(url: str, options: dict | None = None):
-    """(fsspec file system, root path without a trailing '/') of `url`. Missing packages: an ImportError
-    of one line that says what to install."""
-    proto = url.split("://", 1)[0].lower()
-    try:
-        import fsspec
-    except ImportError:
-        raise ImportError(f"a remote ({url}) needs fsspec: {INSTALL}") from None
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **(options or {}))
-    except ImportError:
-        pkg = _PACKAGES.get(proto, f"fsspec's implementation of {proto}://")
-        how = INSTALL if pkg == "s3fs" else f"pip install {pkg}"
-        raise ImportError(f"a remote ({url}) needs {pkg}: {how}") from None
-    return fs, root.rstrip("/")
-
-
-def _is_local(fs) -> bool:
-    protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return "file" in protos or "local" in protos
 
 
 def _age(seconds: float) -> str:
     s = int(seconds)
     return f"{s} s" if s < 120 else f"{s // 60} min {s % 60} s" if s < 7200 else f"{s // 3600} h {s % 3600 // 60} min"
-
-
-def _reason(e: BaseException) -> str:
-    msg = " ".join(str(e).split()) or type(e).__name__
-    return msg if isinstance(e, (OSError, CheckpointError)) else f"{type(e).__name__}: {msg}"
-
-
-# ---- transfers ----------------------------------------------------------------------------------
-
-
-def upload(fs, f, key: str, size: int) -> int:
-    """Streams `size` bytes of the open binary file `f` to `key`, in parts of `CHUNK` or more (an object
-    store takes at most 10,000 parts). Returns the CRC32C of what was sent. A failed upload is discarded
-    where the store allows (an unfinished multipart upload is never an object)."""
-    block = max(CHUNK, -(-size // 9000))
-    crc, sent = 0, 0
-    out = fs.open(key, "wb", block_size=block) if not _is_local(fs) else fs.open(key, "wb")
-    try:
-        while sent < size:
-            chunk = f.read(min(block, size - sent))
-            if not chunk:
-                raise CheckpointError(f"{getattr(f, 'name', key)}: the file ended at {sent:,} of {size:,} bytes")
-            crc = io.crc32c(chunk, crc)
-            out.write(chunk)
-            sent += len(chunk)
-        out.close()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            if hasattr(out, "discard"):
-                out.discard()
-                out.closed = True  # (its close would upload the part it holds)
-            else:
-                out.close()
-        raise
-    return crc
-
-
-def remote_crc(fs, key: str, size: int) -> int:
-    "CRC32C of the first `size` bytes of the remote object `key`, read back in ranges of `CHUNK`."
-    crc = 0
-    for start in range(0, size, CHUNK):
-        data = fs.cat_file(key, start=start, end=min(size, start + CHUNK))
-        if len(data) != min(CHUNK, size - start):
-            raise CheckpointError(f"{key}: the remote object is shorter than its {size:,} bytes")
-        crc = io.crc32c(data, crc)
-    return crc
-
-
-def download(fs, key: str, dest: Path, expect: dict | None = None) -> tuple:
-    """Streams the remote object `key` into `dest`, atomically (a temporary file beside it, fsynced,
-    renamed: a kill leaves no partial `dest`). `expect`: {"size", "crc32c"} the bytes must match, or
-    `CheckpointError` (the remote copy is not what was uploaded). Returns (size, crc32c)."""
-    size = int(fs.info(key)["size"])
-    if expect is not None and size != expect["size"]:
-        raise CheckpointError(f"{key}: {size:,} bytes on the remote, {expect['size']:,} uploaded")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = stored.temp_name(dest)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    crc = 0
-    try:
-        for start in range(0, size, CHUNK):
-            data = fs.cat_file(key, start=start, end=min(size, start + CHUNK))
-            if len(data) != min(CHUNK, size - start):
-                raise CheckpointError(f"{key}: the remote object changed while it was read")
-            crc = io.crc32c(data, crc)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        if expect is not None and crc != expect["crc32c"]:
-            raise CheckpointError(
-                f"{key}: the remote copy differs from what was uploaded "
-                f"(CRC32C {crc:08x}, uploaded {expect['crc32c']:08x})"
-            )
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.rename(tmp, dest)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return size, crc
-
-
-def local_crc(path) -> tuple:
-    "(size, CRC32C) of a local file, read in pieces."
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = io.crc32c(chunk, crc)
-            size += len(chunk)
-    return size, crc
-
-
-def _ends_named(path) -> list:
-    "The stage-end files (`between`) a checkpoint names: [(file relative to its folder, token)]."
-    train = io.info(path, verify=False)["tree"].get("train")
-    script = train.get("script") if isinstance(train, dict) else None
-    ends = script.get("ends") if isinstance(script, dict) else None
-    out = []
-    for e in ends if isinstance(ends, list) else ():
-        if isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("token"), int):
-            out.append((e["file"], e["token"]))
-    return out
-
-
-def _end_key(file: str, token: int) -> str:
-    return f"{file}.t{token:016x}"
-
-
-def _plain(name) -> bool:
-    "A file name of the folder itself (no separator, not '.' or '..'): the only names mirrored."
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-
-
-def _manifest(raw: bytes, name: str, where: str) -> dict:
-    "A marker's JSON, checked before a field of it is used (the remote is untrusted)."
-
-    def need(ok, what):
-        if not ok:
-            raise CheckpointError(f"{where}: malformed marker: {what}")
-
-    try:
-        m = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{where}: malformed marker: {e}") from None
-
-    def sized(d, what):
-        need(isinstance(d, dict), f"{what}: expected an object")
-        for k, hi in (("size", 1 << 62), ("crc32c", 1 << 32)):
-            need(isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 <= d[k] < hi, f"{what}.{k}")
-
-    sized(m, "marker")
-    need(m.get("name") == name, f"name {m.get('name')!r}, expected {name!r}")
-    need(isinstance(m.get("ends"), list), "ends: expected a list")
-    for i, end in enumerate(m["ends"]):
-        sized(end, f"ends[{i}]")
-        need(_plain(end.get("file")) and _plain(end.get("key")), f"ends[{i}]: a plain file name")
-    return m
 
 
 # ---- one run's mirror ---------------------------------------------------------------------------
@@ -326,7 +140,7 @@ class RemoteRun:
         return sorted(n for n in ls if self.pattern.match(n) and n + MARKER in ls)
 
     def manifest(self, name: str) -> dict:
-        return _manifest(self.fs.cat_file(self.key(name + MARKER)), name, self.url + name + MARKER)
+        return parse_marker(self.fs.cat_file(self.key(name + MARKER)), name, self.url + name + MARKER)
 
     def names(self) -> list:
         "This run's checkpoint names on the remote (complete or set aside as corrupt): for attempt numbering."
@@ -343,14 +157,14 @@ class RemoteRun:
             try:
                 return self.fetch(name)
             except (CheckpointError, FileNotFoundError) as e:  # (a marker whose data is gone)
-                say(f"AutoCheckpoint: skipping {self.url}{name}: {_reason(e)}")
+                say(f"AutoCheckpoint: skipping {self.url}{name}: {reason(e)}")
                 self.set_aside(name)
             except OSError as e:  # this machine's disk (full, read-only): not the remote's fault, and not this run's
-                raise RemoteError(e.errno, f"AutoCheckpoint: could not download {self.url}{name}: {_reason(e)}") from e
+                raise RemoteError(e.errno, f"AutoCheckpoint: could not download {self.url}{name}: {reason(e)}") from e
             except Exception as e:  # the network: the remote's copy may be fine
                 raise RemoteError(
                     None,
-                    f"AutoCheckpoint: could not download {self.url}{name} ({_reason(e)}); run the script again once "
+                    f"AutoCheckpoint: could not download {self.url}{name} ({reason(e)}); run the script again once "
                     "the remote is reachable: training has not started",
                 ) from e
         return local
@@ -528,7 +342,7 @@ class Publisher:
                     return  # already there (a rerun that resumed from it)
                 self.lease.fence()
                 self.fs.rm_file(key(name + MARKER))  # its bytes are about to change: no marker meanwhile
-            ends = [self._end(file, token, ls) for file, token in _ends_named(f"/proc/self/fd/{f.fileno()}")]
+            ends = [self._end(file, token, ls) for file, token in ends_named(f"/proc/self/fd/{f.fileno()}")]
             crc = upload(self.fs, f, key(name), size)
         if int(self.fs.info(key(name))["size"]) != size or remote_crc(self.fs, key(name), size) != crc:
             raise CheckpointError(f"{self.url}{name}: the remote copy read back differs from what was sent")
@@ -546,16 +360,16 @@ class Publisher:
         except Exception as e:
             self.notices.post(
                 f"AutoCheckpoint: {name} is complete on {self.url}, but removing what `keep` no longer holds "
-                f"there failed ({_reason(e)}); the next upload tries again"
+                f"there failed ({reason(e)}); the next upload tries again"
             )
 
     def _end(self, file: str, token: int, ls: dict):
         "A stage-end file a checkpoint names, uploaded once under its token: its marker entry."
         known = self.ends.get((file, token))
-        key = _end_key(file, token)
+        key = end_key(file, token)
         if known is not None and key in ls:
             return known
-        if not _plain(file):
+        if not plain_name(file):
             self.notices.post(f"AutoCheckpoint: the stage-end file {file} is not in {self.run.folder}: not mirrored")
             return None
         path = self.run.folder / file
@@ -590,7 +404,7 @@ class Publisher:
             with contextlib.suppress(CheckpointError, FileNotFoundError):
                 named |= {e["key"] for e in self.run.manifest(name)["ends"]}
         for n in ls:
-            if _END_KEY.match(n) and n.startswith(self.run.prefix) and n not in named:
+            if END_KEY.match(n) and n.startswith(self.run.prefix) and n not in named:
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(self.run.key(n))
 
@@ -603,13 +417,13 @@ class Publisher:
             with contextlib.suppress(Exception):
                 for e in self.run.manifest(n)["ends"]:
                     named.add(e["key"])
-                    m = _END_KEY.match(e["key"])
+                    m = END_KEY.match(e["key"])
                     if m and m["file"] == e["file"]:  # uploaded already: not again (`_end`)
                         self.ends[(e["file"], int(m["token"], 16))] = e
         for n in ls:
             orphan = self.run.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls
-            m = _END_KEY.match(n)
-            torn = _TMP.search(n) and n.lstrip(".").startswith(self.run.prefix[:-1])  # a killed `put_whole`'s
+            m = END_KEY.match(n)
+            torn = TMP_NAME.search(n) and n.lstrip(".").startswith(self.run.prefix[:-1])  # a killed `put_whole`'s
             if orphan or torn or (m and n.startswith(self.run.prefix) and n not in named):
                 with contextlib.suppress(Exception):
                     self.fs.rm_file(self.run.key(n))
@@ -667,7 +481,7 @@ class Uploader:
     def _behind(self, n: int, now: float) -> str:
         newest = f"its newest checkpoint is {self.newest}" if self.newest else "it has no checkpoint of this run"
         if self.error is not None and self.behind_since is not None:
-            why = f"uploads have failed for {_age(now - self.behind_since)}: {_reason(self.error)}"
+            why = f"uploads have failed for {_age(now - self.behind_since)}: {reason(self.error)}"
         else:
             t0, name, _ = self.started or (now, "?", 0)
             why = f"the upload of {name} has taken {_age(now - t0)} so far"
@@ -740,7 +554,7 @@ class Uploader:
         if want is not None and done:  # the process's last word on the remote, as it ends
             print(f"AutoCheckpoint: {want.name} is on {self.url}", flush=True)
         elif want is not None and pending and self.lease.lost is None:
-            why = _reason(self.error) if self.error else "the upload did not finish in time"
+            why = reason(self.error) if self.error else "the upload did not finish in time"
             print(
                 f"AutoCheckpoint: exiting with the remote {self.url} behind: it has {self.newest or 'no checkpoint'} "
                 f"of this run; {want.name} is on this machine only ({why})",
@@ -780,7 +594,7 @@ class Mirror:
         tries = (2.0, 4.0, 8.0)
         for i in range(len(tries) + 1):
             try:
-                if _is_local(self.run.fs):
+                if is_local(self.run.fs):
                     self.run.fs.makedirs(self.run.root, exist_ok=True)
                 self.run.listing()
                 self.lease.take()
@@ -788,23 +602,23 @@ class Mirror:
             except RuntimeError:
                 raise  # the lease: held by another process
             except Exception as e:
-                if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
+                if isinstance(e, PermissionError) or type(e).__name__ in NO_CREDENTIALS:
                     raise RemoteError(
                         None,
-                        f"AutoCheckpoint: the remote {self.url} refused the credentials ({_reason(e)}); check them "
+                        f"AutoCheckpoint: the remote {self.url} refused the credentials ({reason(e)}); check them "
                         "(for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
                         "remote_options=dict(key=..., secret=...)). Training has not started.",
                     ) from None
                 if isinstance(e, FileNotFoundError):
                     raise RemoteError(
                         None,
-                        f"AutoCheckpoint: the remote {self.url} does not exist ({_reason(e)}): create the bucket "
+                        f"AutoCheckpoint: the remote {self.url} does not exist ({reason(e)}): create the bucket "
                         "(or folder) first. Training has not started.",
                     ) from None
                 if i == len(tries):
                     raise RemoteError(
                         None,
-                        f"AutoCheckpoint: cannot reach the remote {self.url} ({_reason(e)}), tried {i + 1} times. "
+                        f"AutoCheckpoint: cannot reach the remote {self.url} ({reason(e)}), tried {i + 1} times. "
                         "Training has not started: without the remote, this machine cannot know whether it holds a "
                         "newer checkpoint of this run.",
                     ) from None
@@ -857,95 +671,3 @@ def mirror_for(url, options, folder: Path, fname: str, run_id: str, keep: int, w
         m.open()
         _MIRRORS[k] = m
     return m
-
-
-# ---- the manual path and the CLI ---------------------------------------------------------------
-
-
-def fetch_ends(fs, root: str, url: str, dest: Path, known: dict) -> str:
-    """The stage-end files the checkpoint at `dest` names, downloaded beside it from the remote folder
-    `root` (under their token, or their own name for a file copied there by hand); `known`: key -> the
-    marker's entry (size, CRC32C) to check. Returns what to add to the download's line."""
-    got, missing = 0, []
-    for file, token in _ends_named(dest):
-        if not _plain(file):
-            continue
-        target = dest.parent / file
-        with contextlib.suppress(CheckpointError, OSError):
-            end = io.info(target, verify=False)["tree"].get("end")
-            if isinstance(end, dict) and end.get("token") == token:
-                continue  # already here
-        for key in (_end_key(file, token), file):
-            try:
-                download(fs, f"{root}/{key}", target, known.get(key))
-                got += 1
-                break
-            except FileNotFoundError:
-                continue
-            except CheckpointError as e:
-                say(f"fastai_resume: {e}: not used")
-                break
-        else:
-            missing.append(file)
-    if missing:
-        say(
-            f"fastai_resume: {url} lacks the stage-end file(s) {', '.join(missing)} that {dest.name} names: a rerun "
-            "that skips those stages says so and refuses what would need their state"
-        )
-    return f" and {got} stage-end file{'s' if got != 1 else ''}" if got else ""
-
-
-def _split(url: str):
-    fs, key = filesystem(url)
-    return fs, key, posixpath.dirname(key), posixpath.basename(key)
-
-
-def _marker_of(fs, key: str, name: str, url: str) -> dict | None:
-    try:
-        raw = fs.cat_file(key + MARKER)
-    except FileNotFoundError:
-        return None
-    return _manifest(raw, name, url + MARKER)
-
-
-def fetch(learn, url: str) -> Path:
-    """`learn.load(url)`: the remote file downloaded (streamed, checked against its marker when it has
-    one) into the learner's model folder under its own name, with the stage-end files it names; a local
-    file of that name is reused if it has the same bytes, and never replaced by other ones."""
-    fs, key, root, name = _split(url)
-    if not name:
-        raise ValueError(f"learn.load({url!r}): name a file, not a folder")
-    dest = paths.resolve(learn, name)
-    t0 = time.perf_counter()
-    m = _marker_of(fs, key, name, url)
-    if dest.exists():
-        size, crc = local_crc(dest)
-        if m is None:
-            if size == int(fs.info(key)["size"]) and remote_crc(fs, key, size) == crc:
-                m = {"size": size, "crc32c": crc}
-        if m is None or (m["size"], m["crc32c"]) != (size, crc):
-            raise FileExistsError(
-                None, f"learn.load({url!r}): {dest} exists and differs from the remote file; move it away first"
-            )
-        how = "already here"
-    else:
-        n, _ = download(fs, key, dest, m)
-        how = f"downloaded {n:,} bytes"
-    ends = fetch_ends(fs, root, url, dest, {e["key"]: e for e in m["ends"]} if m and "ends" in m else {})
-    print(f"fastai_resume: {url} -> {dest} ({how}{ends}, {time.perf_counter() - t0:.1f} s)", flush=True)
-    return dest
-
-
-@contextlib.contextmanager
-def local_copy(url: str):
-    "A downloaded copy of the remote file `url` in a temporary folder (checked against its marker if any)."
-    fs, key, _, name = _split(url)
-    with tempfile.TemporaryDirectory(prefix="fastai-resume-") as d:
-        dest = Path(d) / (name or "file")
-        download(fs, key, dest, _marker_of(fs, key, name, url))
-        yield dest
-
-
-def is_folder(url: str) -> bool:
-    fs, key = filesystem(url)
-    return url.endswith("/") or fs.isdir(key)

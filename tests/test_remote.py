@@ -21,7 +21,7 @@ from procs import ENV, FORKS, assert_same_result, assert_same_run, reference, tr
 from s3server import Proxy, Server
 
 import fastai_resume as fr
-from fastai_resume import remote
+from fastai_resume import objstore, remote
 
 STATE = ("--epochs", "2", "--ballast-mb", "8")
 AUTO = (*STATE, "--auto", "4", "--slow-ms", "50")  # a mid-epoch upload lands well before the epoch ends
@@ -103,9 +103,9 @@ class Mirror:
 
     def __init__(self, url, fs):
         self.url, self.fs = url, fs
-        self.root = remote.filesystem(url)[1] if fs is None else url.split("://", 1)[1].rstrip("/")
+        self.root = objstore.filesystem(url)[1] if fs is None else url.split("://", 1)[1].rstrip("/")
         if fs is None:
-            self.fs = remote.filesystem(url)[0]
+            self.fs = objstore.filesystem(url)[0]
 
     def ls(self):
         try:
@@ -488,7 +488,7 @@ def test_wrong_credentials_are_a_clear_error_before_training(tmp_path):
 def test_a_missing_bucket_is_a_clear_error_at_the_start(tmp_path, s3, monkeypatch):
     for k, v in s3.env().items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(remote.RemoteError, match=r"the remote s3://no-such-bucket/run/ does not exist .*create the"):
+    with pytest.raises(objstore.RemoteError, match=r"the remote s3://no-such-bucket/run/ does not exist .*create the"):
         remote.Mirror("s3://no-such-bucket/run/", None, tmp_path, "auto", "r3", 2, 10).open()
 
 
@@ -507,7 +507,7 @@ def test_without_the_optional_packages_remote_says_in_one_line_what_to_install(m
 
 PUT_CHILD = r"""
 import sys
-from fastai_resume.remote import put_whole, filesystem
+from fastai_resume.objstore import put_whole, filesystem
 fs, root = filesystem(sys.argv[1])
 use_put = sys.argv[2] == "put_whole"
 i = 0
