@@ -44,7 +44,7 @@ def main():
     grads = torch.zeros(64 * 128 + 128 * 10 + 138)  # the test suite's digits MLP, as one bucket
     agree, allreduce = [], []
     for _ in range(a.rounds):  # interleaved rounds: both calls meet the same load
-        agree.append(per_call(lambda: dist.agree_any(0), a.iters) * 1e6)
+        agree.append(per_call(lambda: dist.agree_any("bench", 0), a.iters) * 1e6)
         allreduce.append(per_call(lambda: D.all_reduce(grads), a.iters) * 1e6)
     if D.get_rank() == 0:
         payload = {
