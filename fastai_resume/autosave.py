@@ -196,7 +196,9 @@ class AutoCheckpoint(Callback):
         run = self._run = sc.autosave_runs.setdefault(
             (str(self.folder.resolve()), self.fname, self.run_id), AutosaveRun()
         )
-        if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
+
+        def in_folder():  # under DDP rank 0 alone touches the folder, and tells the others (or all raise)
+            p = None
             files.take_lock()
             files.remove_dead_temps()
             if self.remote is not None and self._mirror is None:  # the remote's lease, checked before any training
@@ -213,6 +215,9 @@ class AutoCheckpoint(Callback):
                 names = [f.name for f in files.checkpoints()] + (self._mirror.names() if self._mirror else [])
                 last = max((files.attempt_of(Path(n)) for n in names), default=-1)
                 run.attempt = files.attempt_of(p) if p is not None else last + 1
+            return p
+
+        p = dist.together("AutoCheckpoint: its folder", lambda: in_folder() if dist.rank() == 0 else None)
         if dist.active():
             mine = [None if p is None else str(p), run.attempt]
             p, run.attempt = dist.exchange("AutoCheckpoint: the checkpoint to resume from", mine)[0]

@@ -129,10 +129,13 @@ class Stage:
             state.set_rng_state(a.train["rng_stage"])  # where the uninterrupted run was when this stage began
 
 
-def _identity(a) -> str:
-    "What tells one checkpoint from another, from what its load read: its position and its saved torch RNG."
-    rng = a.train["rng"]["torch"]
-    raw = rng.numpy().tobytes() if hasattr(rng, "numpy") else np.asarray(rng).tobytes()
+def _identity(learn, a) -> str:
+    """What tells one checkpoint from another, from what its load read: its position and, of a file rank 0
+    wrote for every rank, its saved torch RNG (a sharded checkpoint's ranks each read their own RNG)."""
+    raw = b""
+    if not dist.sharded(learn.model):
+        rng = a.train["rng"]["torch"]
+        raw = rng.numpy().tobytes() if hasattr(rng, "numpy") else np.asarray(rng).tobytes()
     return hashlib.sha256(json.dumps(a.position, sort_keys=True).encode() + raw).hexdigest()[:16]
 
 
@@ -143,7 +146,7 @@ def _same_resume_on_every_rank(learn, sc: Script, index: int) -> None:
     ranks that are not, which load it as their own `learn.load` would have; ranks armed from different
     checkpoints refuse together, naming them."""
     a = sc.armed
-    mine = None if a is None else [str(a.path), _identity(a), a.fast_forward]
+    mine = None if a is None else [str(a.path), _identity(learn, a), a.fast_forward]
     rows = dist.exchange(f"stage {index}: the checkpoint every rank resumes from", mine)
     armed = [r for r, row in enumerate(rows) if row is not None]
     if not armed:
@@ -157,6 +160,12 @@ def _same_resume_on_every_rank(learn, sc: Script, index: int) -> None:
         )
     if len(armed) == len(rows):
         return
+    if dist.sharded(learn.model):  # each rank reads its own part: nothing one rank could send the others
+        raise CheckpointError(
+            f"ranks {armed} loaded {rows[armed[0]][0]} to resume from, ranks "
+            f"{[r for r in range(len(rows)) if r not in armed]} loaded nothing: every rank of a sharded fit loads "
+            "the same checkpoint (where the nodes do not share its folder, use AutoCheckpoint(remote=...))"
+        )
     src, me = armed[0], dist.rank()
     path, _, fast_forward = rows[src]
     got = dist.share_file(f"stage {index}: {Path(path).name} for the ranks without it", path, src)

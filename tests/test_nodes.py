@@ -165,3 +165,26 @@ def test_a_rank_that_does_not_arrive_stops_every_rank_after_the_bounded_wait(tmp
     assert "rank(s) [1] of 2 did not arrive within 5 s" in outs[0], outs[0][-3000:]
     assert "stage 0: the checkpoint every rank resumes from" in outs[0]
     assert time.monotonic() - t0 < 150
+
+
+@pytest.mark.parametrize("way", ["load", "autocheckpoint"])
+def test_fsdp2_on_node_local_disks_refuses_on_every_rank_and_keeps_the_files(tmp_path, way):
+    """A sharded (FSDP2) model: each rank's file is on its own node's disk, the manifest on rank 0's. The rerun
+    refuses on every rank, promptly, saying what a resume needs (a shared folder, `remote=`); nothing is
+    renamed or removed."""
+    auto = ("--auto", "4") if way == "autocheckpoint" else ()
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--die-at", "1,5", *auto)
+    assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
+    files = lambda: sorted(  # noqa: E731  (the run's lock comes and goes with each process)
+        str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")
+    )
+    before = files()
+    rerun = ("--resume", "crash") if way == "load" else auto
+    t0 = time.monotonic()
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", *rerun, timeout=200)
+    assert rc[0] != 0 and rc[1] != 0, outs
+    assert time.monotonic() - t0 < 120
+    for out in outs:
+        assert "a folder every node shares" in out and "remote=" in out, out[-3000:]
+    after = files()
+    assert [f for f in before if f not in after] == [] and not [f for f in after if f.endswith(".corrupt")]

@@ -10,8 +10,8 @@ import argparse
 import contextlib
 import os
 import signal
-import time
 import sys
+import time
 import warnings
 
 import torch
