@@ -25,6 +25,7 @@ on the outcome with `all_gather_ints`, a few integers each.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -99,13 +100,18 @@ class _Steps:
 
     def __init__(self, world_group):
         _Steps.generation += 1
-        self.world_group, self.seq, self.group = world_group, 0, None
-        try:
-            self.store = D.distributed_c10d._get_default_store()
-        except (AttributeError, RuntimeError, ValueError):  # another torch: the gloo group's own timeout
-            self.store = None
+        self.world_id, self.seq, self.group = id(world_group), 0, None  # (no reference: see `_forget`)
         # torchrun's agent keeps one store across restarts of the workers: a restart's keys are its own
         self.prefix = f"fastai_resume/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_Steps.generation}"
+
+    @property
+    def store(self):
+        """The process group's store (asked each time: a reference kept past `destroy_process_group` makes the
+        interpreter's exit abort), or None where this torch does not give it (the gloo group's own timeout)."""
+        try:
+            return D.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            return None
 
     def key(self, seq: int, r: int) -> str:
         return f"{self.prefix}/{seq}/{r}"
@@ -123,9 +129,15 @@ _state: dict = {}
 def _steps() -> _Steps:
     world_group = D.group.WORLD
     s = _state.get("steps")
-    if s is None or s.world_group is not world_group:
+    if s is None or s.world_id != id(world_group):
         s = _state["steps"] = _Steps(world_group)
     return s
+
+
+@atexit.register
+def _forget() -> None:
+    "A process group (the payloads' gloo group) still referenced at the interpreter's end can abort the exit."
+    _state.clear()
 
 
 def exchange(step: str, value=None) -> list:
@@ -138,17 +150,18 @@ def exchange(step: str, value=None) -> list:
     s, me, n = _steps(), D.get_rank(), D.get_world_size()
     seq = s.seq
     s.seq += 1
-    if s.store is None:
+    store = s.store
+    if store is None:
         return _exchange_over_gloo(s, step, value)
     keys = [s.key(seq, r) for r in range(n)]
     try:
-        s.store.set(keys[me], json.dumps([step, value]))
-        s.store.wait(keys, timedelta(seconds=timeout()))
-        rows = [json.loads(v) for v in s.store.multi_get(keys)]
+        store.set(keys[me], json.dumps([step, value]))
+        store.wait(keys, timedelta(seconds=timeout()))
+        rows = [json.loads(v) for v in store.multi_get(keys)]
     except RuntimeError as e:  # the wait timed out, or the store is gone (its host's process died)
-        raise StepTimeout(_not_arrived(s, step, keys, e)) from None
+        raise StepTimeout(_not_arrived(store, step, keys, e)) from None
     if seq >= 2:  # every rank has read step seq-2 (it has arrived here, past seq-1): this rank's key goes
-        s.store.delete_key(s.key(seq - 2, me))
+        store.delete_key(s.key(seq - 2, me))
     steps = [r[0] for r in rows]
     if any(x != step for x in steps):
         raise StepTimeout(
@@ -160,10 +173,10 @@ def exchange(step: str, value=None) -> list:
     return [r[1] for r in rows]
 
 
-def _not_arrived(s: _Steps, step: str, keys: list, e: Exception) -> str:
+def _not_arrived(store, step: str, keys: list, e: Exception) -> str:
     "What to say when a step's wait ended without every rank: the ranks that did not arrive, if the store can tell."
     try:
-        missing = [r for r, k in enumerate(keys) if not s.store.check([k])]
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
     except RuntimeError:
         missing = None
     who = f"rank(s) {missing}" if missing else "some rank(s)"
