@@ -1,5 +1,5 @@
 """What a data-parallel fit pays per batch for AutoCheckpoint's agreement (a SIGTERM seen by any
-rank, a time-based save by rank 0's clock): one all-reduce of 8 int32 over gloo. Compared in the
+rank, a time-based save by rank 0's clock): one bounded step through the process group's store (dist.agree_any). Compared in the
 same run with the all-reduce of a small model's gradients that DDP itself does every batch, in
 interleaved rounds (medians with min-max; the ratio is paired by round).
 

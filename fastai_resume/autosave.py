@@ -31,7 +31,7 @@ PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process e
 
 
 class Agreed(enum.IntFlag):
-    "What every rank of a data-parallel fit must know at a batch's end (one all-reduce of them, `dist.agree_any`)."
+    "What every rank of a data-parallel fit must know at a batch's end (one bounded step, `dist.agree_any`)."
 
     PREEMPTED = 1  # a SIGTERM seen by any rank: every rank saves at this batch, then exits
     TIME_DUE = 2  # `every_seconds` has passed, by rank 0's clock
@@ -100,7 +100,7 @@ class AutoCheckpoint(Callback):
     - Under torch.distributed (`distrib_ctx`): every rank runs the callback; rank 0 writes each
       checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
       from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
-      failed save are agreed by all (one all-reduce of 32 bytes per batch, over gloo).
+      failed save are agreed by all (one bounded step per batch, `dist.agree_any`).
     - `remote='s3://bucket/run/'` (any fsspec URL; `remote_options`: the file system's options): each
       checkpoint committed here is then mirrored there by a background thread, `keep` holds there too, and
       a start whose local folder lacks a newer checkpoint resumes from the remote's (`remote.Mirror`,
