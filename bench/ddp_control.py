@@ -1,5 +1,5 @@
 """What a data-parallel fit pays per batch for AutoCheckpoint's agreement (a SIGTERM seen by any
-rank, a time-based save by rank 0's clock): one all-reduce of 8 int32 over gloo. Compared in the
+rank, a time-based save by rank 0's clock): one bounded step through the process group's store (dist.agree_any). Compared in the
 same run with the all-reduce of a small model's gradients that DDP itself does every batch, in
 interleaved rounds (medians with min-max; the ratio is paired by round).
 
@@ -44,7 +44,7 @@ def main():
     grads = torch.zeros(64 * 128 + 128 * 10 + 138)  # the test suite's digits MLP, as one bucket
     agree, allreduce = [], []
     for _ in range(a.rounds):  # interleaved rounds: both calls meet the same load
-        agree.append(per_call(lambda: dist.agree_any(0), a.iters) * 1e6)
+        agree.append(per_call(lambda: dist.agree_any("bench", 0), a.iters) * 1e6)
         allreduce.append(per_call(lambda: D.all_reduce(grads), a.iters) * 1e6)
     if D.get_rank() == 0:
         payload = {

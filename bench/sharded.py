@@ -86,7 +86,7 @@ def worker(a):
             dcp_save()
             timed("dcp_load", dcp_load)
         mine = [int(x * 1e9) for k in sorted(times) for x in times[k]]
-        every = dist.all_gather_ints(mine)  # each rank's times: the job waits for the slowest
+        every = dist.all_gather_ints("bench: times", mine)  # each rank's times: the job waits for the slowest
         if rank == 0:
             keys = sorted(times)
             slowest = {

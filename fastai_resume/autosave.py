@@ -31,7 +31,7 @@ PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process e
 
 
 class Agreed(enum.IntFlag):
-    "What every rank of a data-parallel fit must know at a batch's end (one all-reduce of them, `dist.agree_any`)."
+    "What every rank of a data-parallel fit must know at a batch's end (one bounded step, `dist.agree_any`)."
 
     PREEMPTED = 1  # a SIGTERM seen by any rank: every rank saves at this batch, then exits
     TIME_DUE = 2  # `every_seconds` has passed, by rank 0's clock
@@ -100,7 +100,7 @@ class AutoCheckpoint(Callback):
     - Under torch.distributed (`distrib_ctx`): every rank runs the callback; rank 0 writes each
       checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
       from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
-      failed save are agreed by all (one all-reduce of 32 bytes per batch, over gloo).
+      failed save are agreed by all (one bounded step per batch, `dist.agree_any`).
     - `remote='s3://bucket/run/'` (any fsspec URL; `remote_options`: the file system's options): each
       checkpoint committed here is then mirrored there by a background thread, `keep` holds there too, and
       a start whose local folder lacks a newer checkpoint resumes from the remote's (`remote.Mirror`,
@@ -196,7 +196,9 @@ class AutoCheckpoint(Callback):
         run = self._run = sc.autosave_runs.setdefault(
             (str(self.folder.resolve()), self.fname, self.run_id), AutosaveRun()
         )
-        if dist.rank() == 0:  # under DDP rank 0 alone touches the folder, and tells the others
+
+        def in_folder():  # under DDP rank 0 alone touches the folder, and tells the others (or all raise)
+            p = None
             files.take_lock()
             files.remove_dead_temps()
             if self.remote is not None and self._mirror is None:  # the remote's lease, checked before any training
@@ -213,25 +215,30 @@ class AutoCheckpoint(Callback):
                 names = [f.name for f in files.checkpoints()] + (self._mirror.names() if self._mirror else [])
                 last = max((files.attempt_of(Path(n)) for n in names), default=-1)
                 run.attempt = files.attempt_of(p) if p is not None else last + 1
+            return p
+
+        p = dist.together("AutoCheckpoint: its folder", lambda: in_folder() if dist.rank() == 0 else None)
         if dist.active():
-            p, run.attempt = dist.broadcast((None if p is None else str(p), run.attempt))
+            mine = [None if p is None else str(p), run.attempt]
+            p, run.attempt = dist.exchange("AutoCheckpoint: the checkpoint to resume from", mine)[0]
             p = None if p is None else Path(p)
         self.attempt = files.attempt = run.attempt
         stage.saved_in(self.folder, files.stem(), auto=True)
         run.resumed = True
         if p is None:
             return
-        err = None
+        got = dist.fetch_missing(f"AutoCheckpoint: {p.name} on every rank", p)  # node-local folders: rank 0's
         try:
-            self.learn.load(p, fast_forward=self.fast_forward)
-        except Exception as e:
-            err = e
-        if dist.active() and dist.agree_any(1 if err is not None else 0):  # one rank failing stops all
-            if err is not None:
-                raise err
-            raise CheckpointError(f"AutoCheckpoint: another rank could not load {p}; see its error")
-        if err is not None:
-            raise err
+            dist.together(  # one rank failing stops all
+                f"AutoCheckpoint: load {p.name}",
+                lambda: self.learn.load(got, fast_forward=self.fast_forward),
+                f"AutoCheckpoint: rank {{rank}} could not load {p} ({{why}}); every rank stops",
+            )
+        finally:
+            if got != p:  # a copy of rank 0's file, on a node whose folder does not hold it
+                got.unlink()
+                if sc.armed is not None:
+                    sc.armed.path = p
         print(f"AutoCheckpoint: found {p.name}")
 
     # -- events -----------------------------------------------------------------------------
@@ -254,7 +261,7 @@ class AutoCheckpoint(Callback):
             flags |= Agreed.FAILED
         flags |= sharded.writing(self.saves)
         if dist.active() and (self.preempt or self.every_seconds or self.background):
-            flags = Agreed(dist.agree_any(int(flags)))
+            flags = Agreed(dist.agree_any("AutoCheckpoint: the batch's agreement", int(flags)))
         if flags & Agreed.FAILED:
             self.saves.raise_failure()
         sharded.after_agreement(self.saves, self.files, int(flags))  # every rank's file written: the manifest
@@ -276,7 +283,8 @@ class AutoCheckpoint(Callback):
         self._check_inflight(block=True, last=True)
         self.saves.pool.release()
         self._preemption.restore()
-        if dist.active() and dist.agree_any(int(Agreed.FAILED) if self.saves.failure is not None else 0):
+        failed = int(Agreed.FAILED) if self.saves.failure is not None else 0
+        if dist.active() and dist.agree_any("AutoCheckpoint: the fit's end", failed):
             self.saves.raise_failure()
 
     def after_interrupted_fit(self):
@@ -333,7 +341,7 @@ class Saves:
         path = files.name(s.stage.index, s.fit_index, *pos)
         done = stored.exists(path) or (self.inflight is not None and self.inflight[1] == path)
         if dist.active():
-            done = dist.broadcast(done)  # rank 0 knows the folder; all must agree
+            done = dist.exchange(f"AutoCheckpoint: is {path.name} saved", done)[0]  # rank 0 knows the folder
         if done:
             return path  # already saved here
         self.check_inflight(files, block=True)  # at most one save in flight

@@ -288,7 +288,7 @@ def stage_ended(learn, sc, st) -> None:
         )
         sc.ends.append(None)
         return
-    token = dist.broadcast(box.get("token"))
+    token = dist.exchange(f"stage {st.index}'s end state: its token", box.get("token"))[0]
     sc.ends.append({"file": _rel(learn, path), "token": int(token)})
 
 
@@ -304,9 +304,11 @@ def _restore(learn, sc, st) -> None:
             "resumable checkpoint was saved in that stage, so its end state was not kept"
         )
     else:
-        path = _abs(learn, ref["file"])
+        path = got = _abs(learn, ref["file"])
+        if dist.active() and not dist.sharded(learn.model):  # node-local folders: the rank that wrote it sends it
+            got = dist.fetch_missing(f"stage {st.index}'s end state on every rank", path)
         try:
-            tree = sharded.read(path, learn)
+            tree = sharded.read(got, learn)
             end = tree.get("end")
             if not isinstance(end, dict) or end.get("token") != ref["token"]:
                 raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")
@@ -318,6 +320,9 @@ def _restore(learn, sc, st) -> None:
             _print_rows(learn, end)
         except (CheckpointError, OSError) as e:
             why = f"holds the script's own state ({a.path.name} is armed), not stage {st.index}'s end: {e}"
+        finally:
+            if got != path:
+                got.unlink()
     sc.ends.append(ref if why is None else None)
     numbers = _expected(learn, "stage")
     if numbers is not None:

@@ -84,26 +84,20 @@ def cloned(tree):
 def commit(build, path: Path) -> None:
     """Write the tree `build()` returns to `path` atomically, on rank 0 only. Under
     torch.distributed every rank calls it (`build` may be collective) and returns once the file is
-    committed, or raises if rank 0 could not build or write it."""
-    exc = None
-    try:
+    committed, or raises if rank 0 could not build or write it (`dist.together`)."""
+
+    def write():
         tree = build()
         if dist.rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             remove_dead_temps(path.parent, lambda name: name == path.name)
             io.save(tree, path)
-    except Exception as e:  # under DDP every rank must hear of it, or the others wait forever
-        if not dist.active():
-            raise
-        exc = e
-    if not dist.active():
-        return
-    if not dist.agree_any(1 if exc is not None else 0):
-        return  # committed, and every rank knows
-    why = dist.broadcast(f"{type(exc).__name__}: {exc}" if exc is not None else "it failed on another rank")
-    if exc is not None:
-        raise exc
-    raise CheckpointError(f"the checkpoint {path} was not saved (rank 0: {why}); the previous files are intact")
+
+    dist.together(
+        f"commit {path.name}",
+        write,
+        f"the checkpoint {path} was not saved (rank {{rank}}: {{why}}); the previous files are intact",
+    )
 
 
 def read(path: Path) -> dict:

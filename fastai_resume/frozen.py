@@ -262,8 +262,10 @@ def recheck(learn, refs: dict | None, source) -> None:
             k = next((k for k, want in refs.items() if now[k] != want), None)
             if k is not None:
                 bad = _differs(source, k, refs[k], now[k]) + " (checked as the resumed fit starts)"
-    if dist.agree_any(1 if bad else 0):  # every rank refuses together, or none waits for the others
-        raise CheckpointError(bad or f"{source}: a frozen tensor it references differs on another rank")
+    whys = dist.exchange("the resumed fit's frozen tensors", bad or None)  # every rank refuses together
+    first = next((w for w in whys if w), None)
+    if first:
+        raise CheckpointError(bad or f"{first} (on rank {whys.index(first)})")
 
 
 def _differs(path, name, want, got) -> str:

@@ -83,6 +83,13 @@ class RunFolder:
                 shardfiles.verify(p)  # a file, or a sharded checkpoint's folder: the manifest and every shard
                 return p
             except CheckpointError as e:
+                if isinstance(e, shardfiles.Incomplete) and dist.active():  # not corrupt: another node may have it
+                    raise CheckpointError(
+                        f"AutoCheckpoint: {e} on rank 0's disk. Where the nodes do not share this folder, each rank "
+                        "of a sharded fit writes its file on its own node's disk, and a resume needs them together "
+                        "(the remote mirror uploads what rank 0's disk holds): keep a sharded fit's checkpoints in a "
+                        "folder every node shares. Nothing was changed"
+                    ) from None
                 warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=3)
                 try:
                     p.rename(p.with_name(p.name + ".corrupt"))

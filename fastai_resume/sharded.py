@@ -133,7 +133,7 @@ def _reshard(model) -> None:
 def _token() -> int:
     "A random 64-bit id of one save, the same on every rank (rank 0's). Collective."
     t = secrets.randbits(63) + 1 if dist.rank() == 0 else 0
-    return dist.all_gather_ints([t])[0][0]
+    return dist.all_gather_ints("sharded save: its token", [t])[0][0]
 
 
 def _rank_tree(tree: dict, token: int) -> dict:
@@ -162,38 +162,38 @@ def _position(tree: dict | None) -> dict | None:
 def _finish(path: Path, token: int, exc: BaseException | None, nbytes: int, position, kind: str) -> None:
     """Every rank has tried to commit its file of save `token`: agree on the outcome, then rank 0 commits
     the manifest. Collective; every rank returns once the manifest is committed, or raises."""
-    rows = dist.all_gather_ints([0 if exc is None else 1, int(nbytes)])
-    bad = [r for r, row in enumerate(rows) if row[0]]
+    why = None if exc is None else f"{type(exc).__name__}: {exc}"
+    rows = dist.exchange(f"sharded save {path.name}: every rank's file", [why, nbytes])
+    bad = [r for r, row in enumerate(rows) if row[0] is not None]
     if bad:
-        why = f"{type(exc).__name__}: {exc}" if exc is not None else None
-        why = dist.broadcast(why, src=bad[0])
         if exc is not None:
             raise exc
         raise CheckpointError(
-            f"the checkpoint {path} was not saved (rank {bad[0]}: {why}); the previous checkpoint is intact"
+            f"the checkpoint {path} was not saved (rank {bad[0]}: {rows[bad[0]][0]}); the previous checkpoint is intact"
         )
-    mexc = None
-    if dist.rank() == 0:
+
+    def manifest():
+        if dist.rank() != 0:
+            return
         n = len(rows)
-        manifest = {
-            "fastai_resume_sharded": SCHEMA,
-            "kind": kind,
-            "token": token,
-            "world_size": n,
-            "shards": [{"rank": r, "file": shard_name(r, n, token), "size": rows[r][1]} for r in range(n)],
-            "position": position,
-        }
-        try:
-            io.save(manifest, path / MANIFEST)
-            _remove_leftovers(path, token)
-        except Exception as e:
-            if not dist.active():
-                raise
-            mexc = e
-    if dist.active() and dist.agree_any(1 if mexc is not None else 0):
-        if mexc is not None:
-            raise mexc
-        raise CheckpointError(f"the checkpoint {path} was not saved (rank 0 could not write its manifest)")
+        io.save(
+            {
+                "fastai_resume_sharded": SCHEMA,
+                "kind": kind,
+                "token": token,
+                "world_size": n,
+                "shards": [{"rank": r, "file": shard_name(r, n, token), "size": rows[r][1]} for r in range(n)],
+                "position": position,
+            },
+            path / MANIFEST,
+        )
+        _remove_leftovers(path, token)
+
+    dist.together(
+        f"sharded save {path.name}: its manifest",
+        manifest,
+        f"the checkpoint {path} was not saved (rank {{rank}} could not write its manifest: {{why}})",
+    )
 
 
 def _kind(tree) -> str:
@@ -333,23 +333,11 @@ def read(path, learn) -> dict:
             _distribute(tree, _Live(learn), path)
         return tree
     live = _Live(learn)
-    folder: dict | None = None
-    err = None
-    try:
-        folder = _read_folder(path, live)
-    except (CheckpointError, OSError) as e:
-        if not dist.active():
-            raise
-        err = e
-    if dist.active():
-        bad = [r for r, (b,) in enumerate(dist.all_gather_ints([1 if err is not None else 0])) if b]
-        if bad:
-            why = dist.broadcast(str(err) if err is not None else None, src=bad[0])
-            if err is not None:
-                raise err
-            raise CheckpointError(f"{path}: rank {bad[0]} could not read its part: {why}")
-    assert folder is not None
-    return folder
+    return dist.together(
+        f"read {path.name}",
+        lambda: _read_folder(path, live),
+        f"{path}: rank {{rank}} could not read its part: {{why}}",
+    )
 
 
 def _read_folder(path: Path, live: _Live) -> dict:

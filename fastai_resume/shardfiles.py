@@ -64,7 +64,7 @@ def read_manifest(path) -> dict:
     if not mf.is_file():
         raise CheckpointError(
             f"{p}: no {MANIFEST}: not a sharded checkpoint, or a save that did not finish (every rank's "
-            "file is committed first, the manifest last)"
+            "file is committed first, the manifest last)" + (NOT_SHARED if dist.active() else "")
         )
     m = io.load(mf)
     try:
@@ -189,7 +189,21 @@ def verify(path) -> None:
         return
     why = problem(p, verify=True)
     if why is not None:
-        raise CheckpointError(why if why.startswith(str(p)) else f"{p}: {why}")
+        raise (Incomplete if why.endswith(" is missing") else CheckpointError)(
+            why if why.startswith(str(p)) else f"{p}: {why}"
+        )
+
+
+class Incomplete(CheckpointError):
+    """A sharded checkpoint whose manifest names a rank's file this disk lacks: under torch.distributed, a
+    folder that is not shared by the nodes (each rank's file is on its own node's disk), not a corrupt one."""
+
+
+NOT_SHARED = (
+    " on this rank's disk (where the nodes do not share the folder, each rank's file is on its own node's disk "
+    "and the manifest on rank 0's, and a resume needs them together: keep a sharded fit's checkpoints in a "
+    "folder every node shares)"
+)
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -327,6 +341,7 @@ def open_folder(path: Path, base_rank: int | None = None):
         if not f.is_file():
             raise CheckpointError(
                 f"{path}: rank {s['rank']}'s file {s['file']} is missing: the checkpoint is incomplete"
+                + (NOT_SHARED if dist.active() else "")
             )
         if f.stat().st_size != s["size"]:
             raise CheckpointError(

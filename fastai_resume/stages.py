@@ -10,13 +10,18 @@ iteration, and refuses a changed script.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
+import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
-from . import between, frozen, state
+from . import between, dist, frozen, state
+from .io import CheckpointError
 from .script import STAGE_BEGIN_HOOKS, Script, script
 
 __all__ = ["Stage", "stage_call"]
@@ -89,6 +94,8 @@ class Stage:
                 "before the interruption (AutoCheckpoint does this by itself)."
             )
         sc.interrupted = None
+        if dist.active():
+            _same_resume_on_every_rank(self.learn, sc, self.index)
         a = sc.armed if self.resume else None
         if a is None or self.explicit:
             return
@@ -120,6 +127,60 @@ class Stage:
             )
         else:
             state.set_rng_state(a.train["rng_stage"])  # where the uninterrupted run was when this stage began
+
+
+def _identity(learn, a) -> str:
+    """What tells one checkpoint from another, from what its load read: its position and, of a file rank 0
+    wrote for every rank, its saved torch RNG (a sharded checkpoint's ranks each read their own RNG)."""
+    raw = b""
+    if not dist.sharded(learn.model):
+        rng = a.train["rng"]["torch"]
+        raw = rng.numpy().tobytes() if hasattr(rng, "numpy") else np.asarray(rng).tobytes()
+    return hashlib.sha256(json.dumps(a.position, sort_keys=True).encode() + raw).hexdigest()[:16]
+
+
+def _same_resume_on_every_rank(learn, sc: Script, index: int) -> None:
+    """Under torch.distributed every rank resumes from the same checkpoint, or none does. On nodes with
+    disks of their own, the checkpoint rank 0 wrote is on rank 0's node only: a script loads it where
+    `os.path.exists` finds it and skips the load elsewhere. The lowest rank armed serves its file to the
+    ranks that are not, which load it as their own `learn.load` would have; ranks armed from different
+    checkpoints refuse together, naming them."""
+    a = sc.armed
+    mine = None if a is None else [str(a.path), _identity(learn, a), a.fast_forward]
+    rows = dist.exchange(f"stage {index}: the checkpoint every rank resumes from", mine)
+    armed = [r for r, row in enumerate(rows) if row is not None]
+    if not armed:
+        return
+    if len({row[1] for row in rows if row is not None}) > 1:
+        raise CheckpointError(
+            "the ranks loaded different checkpoints to resume from ("
+            + ", ".join(f"rank {r}: {row[0] if row else 'none'}" for r, row in enumerate(rows))
+            + "); every rank must resume from the same one. Remove the stale files on the nodes that hold them, "
+            "or keep the checkpoints in a folder every node shares (or mirror them: AutoCheckpoint(remote=...))"
+        )
+    if len(armed) == len(rows):
+        return
+    if dist.sharded(learn.model):  # each rank reads its own part: nothing one rank could send the others
+        raise CheckpointError(
+            f"ranks {armed} loaded {rows[armed[0]][0]} to resume from, ranks "
+            f"{[r for r in range(len(rows)) if r not in armed]} loaded nothing: every rank of a sharded fit loads "
+            "the same checkpoint (where the nodes do not share its folder: keep it in a folder every node shares)"
+        )
+    src, me = armed[0], dist.rank()
+    path, _, fast_forward = rows[src]
+    got = dist.share_file(f"stage {index}: {Path(path).name} for the ranks without it", path, src)
+    try:
+        if me not in armed:
+            print(f"fastai_resume: rank {me} resumes from rank {src}'s {path} (it loaded none itself)")
+        dist.together(
+            f"stage {index}: load {Path(path).name} served by rank {src}",
+            lambda: None if me in armed else learn.load(got, fast_forward=fast_forward),
+        )
+    finally:
+        if me not in armed:
+            os.unlink(got)
+    if me not in armed and sc.armed is not None:
+        sc.armed.path = Path(path)  # (rank `src`'s: what messages name)
 
 
 @contextmanager

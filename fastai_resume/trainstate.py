@@ -85,7 +85,7 @@ def capture(s) -> dict | None:
         "modules": state.module_states(learn.model),
     }
     per_rank = dist.sharded(learn.model)  # a sharded model: every rank writes its own file (`sharded`)
-    ranks = dist.gather(mine) if dist.active() and not per_rank else None  # collective: on every rank
+    ranks = dist.gather("the ranks' training state", mine) if dist.active() and not per_rank else None  # a step
     if dist.rank() != 0 and not per_rank:
         return None  # rank 0 writes
     st = s.stage
@@ -575,8 +575,10 @@ def end_tree(learn, st) -> dict | None:
         else {**state.recorder_state(rec), **recorder_numbers(rec), "log": state.plain(list(getattr(rec, "log", [])))},
     }
     per_rank = dist.sharded(learn.model)  # a sharded model: every rank writes its own part (`sharded`)
-    ranks = dist.gather(mine) if dist.active() and not per_rank else None
-    token = dist.all_gather_ints([secrets.randbits(62)])[0][0] if per_rank else secrets.randbits(62)
+    ranks = dist.gather("the ranks' end states", mine) if dist.active() and not per_rank else None
+    token = secrets.randbits(62)
+    if per_rank:
+        token = dist.all_gather_ints("an end state's token", [token])[0][0]
     if dist.rank() != 0 and not per_rank:
         return None
     return {

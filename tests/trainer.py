@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import warnings
 
 import torch
@@ -188,6 +189,10 @@ def main(argv=None):
     ap.add_argument("--die-at", default=None, help="E,K: save after K training batches of epoch E, then die")
     ap.add_argument("--die-event", default="after_batch")
     ap.add_argument("--resume", default=None)
+    ap.add_argument(
+        "--resume-if-saved", action="store_true", help="--resume only where models/NAME.* exists (a node's own disk)"
+    )
+    ap.add_argument("--stall", default=None, help="R,S: rank R sleeps S seconds before training (a rank elsewhere)")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--no-noise", action="store_true")
     ap.add_argument("--grad-acc", type=int, default=0)
@@ -290,7 +295,10 @@ def main(argv=None):
 
 
 def train(learn, a, fit_cbs):
-    if a.resume:
+    if a.stall and int(os.environ.get("RANK", 0)) == int(a.stall.split(",")[0]):
+        time.sleep(float(a.stall.split(",")[1]))
+    saved = a.resume and (not a.resume_if_saved or any((learn.path / learn.model_dir).glob(f"{a.resume}.*")))
+    if saved:
         learn.load(a.resume)
         if a.dump_state:
             fastai_resume.save(model_state(learn), f"{a.out}.start")
@@ -301,7 +309,7 @@ def train(learn, a, fit_cbs):
             armed = fastai_resume.script.script(learn).armed
             armed.train["ranks"] = None
             if a.fsdp:  # each rank's file has its own: take rank 0's
-                armed.train["rng"] = fastai_resume.dist.broadcast(armed.train["rng"])
+                armed.train["rng"] = fastai_resume.dist.broadcast("negative control: rank 0's RNG", armed.train["rng"])
         if a.shared_buffers:  # negative control under --fsdp: rank 0's BatchNorm statistics on every rank
             import torch.distributed as D
 

@@ -1,0 +1,190 @@
+"""Several machines without a shared disk: two torchrun agents (`--nnodes 2 --nproc_per_node 1`, gloo on the
+CPU), each in a mount namespace of its own where the same folder (the script's working folder, fastai's
+default relative paths under it) is that node's own disk: what one node writes there the other never sees.
+Every process of both nodes is killed by SIGKILL, then the same two commands run again; every rank's result
+is compared bitwise with the uninterrupted two-node run, or the rerun must fail on every rank, promptly,
+saying why. Needs root for `unshare -m` (CI runs as root); skipped elsewhere."""
+
+import functools
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from procs import ENV, HERE, descendants, equal, shared_run
+
+import fastai_resume as fr
+
+pytestmark = pytest.mark.slow
+KEYS = ("model", "opt", "losses", "lrs", "values")
+
+
+def _namespaces_work() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+if not _namespaces_work():
+    pytest.skip("mount namespaces (unshare -m) need root here", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_cmd(root, node, port, *args):
+    """Node `node`'s torchrun agent, in a mount namespace where `root/work` is `root/node<node>`."""
+    work, disk = os.path.join(root, "work"), os.path.join(root, f"node{node}")
+    run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    run += ["--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    run += [os.path.join(HERE, "trainer.py"), "--path", work, "--out", os.path.join(work, "out.frk"), "--ddp", *args]
+    inner = f"mount --bind {shlex.quote(disk)} {shlex.quote(work)} && cd {shlex.quote(work)} && exec {shlex.join(run)}"
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", inner]
+
+
+def two_nodes(root, *args, env=None, timeout=300):
+    """Both nodes' agents with `args`; (their return codes, their outputs). A job still running after
+    `timeout` seconds is a hang: killed, and the test fails saying so."""
+    for d in ("work", "node0", "node1"):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    port = _free_port()
+    env = dict(ENV, PYTHONUNBUFFERED="1", **(env or {}))
+    ps = [
+        subprocess.Popen(
+            node_cmd(root, n, port, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        for n in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in ps]
+    except subprocess.TimeoutExpired:
+        for p in ps:
+            for pid in descendants(p.pid):
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+        pytest.fail(f"the two-node job {args} hangs (still running after {timeout} s)")
+    return [p.returncode for p in ps], outs
+
+
+def results(root):
+    return [fr.load(os.path.join(root, f"node{r}", f"out.frk.rank{r}")) for r in (0, 1)]
+
+
+def assert_exact(ref, res):
+    for r, (a, b) in enumerate(zip(ref, res)):
+        for key in KEYS:
+            assert equal(a[key], b[key]), f"rank {r}: {key} differs from the uninterrupted two-node run"
+
+
+@functools.cache
+def reference(tmp_root):
+    "The uninterrupted two-node run, once per session."
+
+    def make(d):
+        rc, outs = two_nodes(d)
+        assert rc == [0, 0], outs
+        for r in (0, 1):
+            shutil.copy(os.path.join(d, f"node{r}", f"out.frk.rank{r}"), os.path.join(d, f"ref.rank{r}"))
+
+    return shared_run(tmp_root, "nodes-ref", make, ("ref.rank0", "ref.rank1"))
+
+
+def killed(root, *args):
+    "Both nodes' processes die by SIGKILL (every rank, right after rank 0 saved `crash` at epoch 1, batch 5)."
+    rc, outs = two_nodes(root, "--die-at", "1,5", *args)
+    assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
+    return outs
+
+
+def test_a_load_on_the_node_that_has_the_file_resumes_every_rank_exactly(tmp_root, tmp_path):
+    """The script loads `crash` where its disk has it (`os.path.exists`): rank 0's node. Rank 1 loads nothing;
+    it is served rank 0's file as its fit begins and resumes from it: bitwise on both ranks."""
+    ref = reference(tmp_root)
+    killed(tmp_path)
+    assert (tmp_path / "node0" / "models" / "crash.frk").exists() and not (tmp_path / "node1" / "models").exists()
+    rc, outs = two_nodes(tmp_path, "--resume", "crash", "--resume-if-saved")
+    assert rc == [0, 0], outs
+    assert "rank 1 resumes from rank 0's" in outs[1], outs[1]
+    assert_exact(ref, results(tmp_path))
+    assert not (tmp_path / "node1" / "models").exists()  # nothing written on node 1's disk
+
+
+def test_autocheckpoint_resumes_every_rank_exactly_from_rank0s_disk(tmp_root, tmp_path):
+    ref = reference(tmp_root)
+    killed(tmp_path, "--auto", "4")
+    autos = sorted((tmp_path / "node0" / "models").glob("auto-*.frk"))
+    assert autos and not (tmp_path / "node1" / "models").exists()
+    rc, outs = two_nodes(tmp_path, "--auto", "4")
+    assert rc == [0, 0], outs
+    assert "AutoCheckpoint: found" in outs[0] and "AutoCheckpoint: found" in outs[1]
+    assert_exact(ref, results(tmp_path))
+
+
+def test_two_fresh_nodes_resume_exactly_from_the_remote(tmp_root, tmp_path):
+    "AutoCheckpoint(remote=...): both machines lost; two new ones with empty disks resume from the remote copy."
+    ref = reference(tmp_root)
+    remote = f"file://{tmp_path / 'remote'}/"
+    killed(tmp_path, "--auto", "4", "--remote", remote)
+    for n in (0, 1):  # new machines: nothing of the first run's on their disks
+        shutil.rmtree(tmp_path / f"node{n}")
+    rc, outs = two_nodes(tmp_path, "--auto", "4", "--remote", remote)
+    assert rc == [0, 0], outs
+    assert "downloaded" in outs[0], outs[0]
+    assert_exact(ref, results(tmp_path))
+
+
+def test_ranks_that_loaded_different_checkpoints_refuse_together(tmp_path):
+    "Node 1's disk holds a `crash` of another run: each rank loads its own; every rank refuses, naming both."
+    killed(tmp_path)
+    other = tmp_path / "other"
+    killed(other, "--epochs", "4")
+    (tmp_path / "node1" / "models").mkdir()
+    shutil.copy(other / "node0" / "models" / "crash.frk", tmp_path / "node1" / "models" / "crash.frk")
+    rc, outs = two_nodes(tmp_path, "--resume", "crash", "--resume-if-saved", "--epochs", "3")
+    assert rc[0] != 0 and rc[1] != 0, outs
+    for out in outs:
+        assert "the ranks loaded different checkpoints" in out, out[-3000:]
+
+
+def test_a_rank_that_does_not_arrive_stops_every_rank_after_the_bounded_wait(tmp_path):
+    """Rank 1 is elsewhere for 40 s (its script sleeps before training); with a 5 s bound rank 0 stops at its
+    first step, naming the step and rank 1, instead of waiting for it."""
+    t0 = time.monotonic()
+    rc, outs = two_nodes(tmp_path, "--stall", "1,40", env={"FASTAI_RESUME_TIMEOUT": "5"}, timeout=200)
+    assert rc[0] != 0 and rc[1] != 0, outs
+    assert "rank(s) [1] of 2 did not arrive within 5 s" in outs[0], outs[0][-3000:]
+    assert "stage 0: the checkpoint every rank resumes from" in outs[0]
+    assert time.monotonic() - t0 < 150
+
+
+@pytest.mark.parametrize("way", ["load", "autocheckpoint"])
+def test_fsdp2_on_node_local_disks_refuses_on_every_rank_and_keeps_the_files(tmp_path, way):
+    """A sharded (FSDP2) model: each rank's file is on its own node's disk, the manifest on rank 0's. The rerun
+    refuses on every rank, promptly, saying what a resume needs (a folder every node shares); nothing is
+    renamed or removed."""
+    auto = ("--auto", "4") if way == "autocheckpoint" else ()
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--die-at", "1,5", *auto)
+    assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
+    files = lambda: sorted(  # noqa: E731  (the run's lock comes and goes with each process)
+        str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")
+    )
+    before = files()
+    rerun = ("--resume", "crash") if way == "load" else auto
+    t0 = time.monotonic()
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", *rerun, timeout=200)
+    assert rc[0] != 0 and rc[1] != 0, outs
+    assert time.monotonic() - t0 < 120
+    for out in outs:
+        assert "a folder every node shares" in out, out[-3000:]
+    after = files()
+    assert [f for f in before if f not in after] == [] and not [f for f in after if f.endswith(".corrupt")]
