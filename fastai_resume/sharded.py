@@ -142,12 +142,13 @@ def _rank_tree(tree: dict, token: int) -> dict:
     return local
 
 
-def _remove_leftovers(folder: Path, keep_token: int) -> None:
-    "Shard files of other saves of this folder (the checkpoint replaced, saves that never finished), dead temps."
+def _remove_leftovers(folder: Path, keep_token: int, rank: int | None = None) -> None:
+    """Shard files of other saves of this folder (the checkpoint replaced, saves that never finished), dead
+    temps; `rank`: only that rank's files (each rank's on a disk of its own node, which rank 0 never sees)."""
     stored.remove_dead_temps(folder)
     for p in folder.iterdir():
         m = shardfiles.SHARD_FILE.match(p.name)
-        if m is not None and int(m[3], 16) != keep_token:
+        if m is not None and int(m[3], 16) != keep_token and (rank is None or int(m[1]) == rank):
             try:
                 p.unlink()
             except OSError:
@@ -194,6 +195,8 @@ def _finish(path: Path, token: int, exc: BaseException | None, nbytes: int, posi
         manifest,
         f"the checkpoint {path} was not saved (rank {{rank}} could not write its manifest: {{why}})",
     )
+    if dist.rank() != 0:  # a node's own disk: this rank's files of the saves this one replaces
+        _remove_leftovers(path, token, dist.rank())
 
 
 def _kind(tree) -> str:
@@ -333,15 +336,21 @@ def read(path, learn) -> dict:
             _distribute(tree, _Live(learn), path)
         return tree
     live = _Live(learn)
-    return dist.together(
-        f"read {path.name}",
-        lambda: _read_folder(path, live),
-        f"{path}: rank {{rank}} could not read its part: {{why}}",
-    )
+    # (nodes with disks of their own: the manifest is on rank 0's, each rank's file on its own node's)
+    manifest = dist.fetch_missing(f"read {path.name}: its manifest", path / MANIFEST) if dist.active() else None
+    try:
+        return dist.together(
+            f"read {path.name}",
+            lambda: _read_folder(path, live, manifest),
+            f"{path}: rank {{rank}} could not read its part: {{why}}",
+        )
+    finally:
+        if manifest is not None and manifest != path / MANIFEST:
+            manifest.unlink()
 
 
-def _read_folder(path: Path, live: _Live) -> dict:
-    _, tree, entries, shards = shardfiles.open_folder(path)
+def _read_folder(path: Path, live: _Live, manifest: Path | None) -> dict:
+    _, tree, entries, shards = shardfiles.open_folder(path, manifest=manifest)
     for e in entries:
         t = shards.files[shards.own][0][tuple(e["path"])]
         size, offset, mesh, placements, device = live.part(e["path"], e["shape"], path)

@@ -57,10 +57,10 @@ def _is_int(v, lo=0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
 
-def read_manifest(path) -> dict:
-    "The manifest of the sharded checkpoint `path`, validated (its shard files are not opened)."
+def read_manifest(path, mf: Path | None = None) -> dict:
+    "The manifest of the sharded checkpoint `path` (or the file `mf`), validated (its shard files are not opened)."
     p = Path(path)
-    mf = p / MANIFEST
+    mf = p / MANIFEST if mf is None else mf
     if not mf.is_file():
         raise CheckpointError(
             f"{p}: no {MANIFEST}: not a sharded checkpoint, or a save that did not finish (every rank's "
@@ -331,12 +331,17 @@ class Shards:
         return out
 
 
-def open_folder(path: Path, base_rank: int | None = None):
+def open_folder(path: Path, base_rank: int | None = None, manifest: Path | None = None):
     """The sharded checkpoint at `path`, checked whole (manifest, every shard file there at its size), and one
     rank's file read (`base_rank`: this rank's, or rank 0's for a rank the saved run did not have):
-    (manifest, its tree without its shard part, its DTensor entries, the `Shards` of all)."""
-    m = read_manifest(path)
+    (manifest, its tree without its shard part, its DTensor entries, the `Shards` of all). `manifest`: read
+    from there (a copy of rank 0's, on a node whose disk lacks it); then, at the saved world size, each rank
+    checks its own file (every rank reads together: one rank's missing file is an error on all)."""
+    m = read_manifest(path, manifest)
+    only = dist.rank() if manifest is not None and dist.world() == m["world_size"] else None
     for s in m["shards"]:  # every rank checks them all: a checkpoint with a shard missing is invalid for all
+        if only is not None and s["rank"] != only:
+            continue
         f = path / s["file"]
         if not f.is_file():
             raise CheckpointError(

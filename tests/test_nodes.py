@@ -167,21 +167,55 @@ def test_a_rank_that_does_not_arrive_stops_every_rank_after_the_bounded_wait(tmp
     assert time.monotonic() - t0 < 150
 
 
-@pytest.mark.parametrize("way", ["load", "autocheckpoint"])
-def test_fsdp2_on_node_local_disks_refuses_on_every_rank_and_keeps_the_files(tmp_path, way):
-    """A sharded (FSDP2) model: each rank's file is on its own node's disk, the manifest on rank 0's. The rerun
+@functools.cache
+def fsdp_reference(tmp_root):
+    "The uninterrupted two-node FSDP2 run, once per session."
+
+    def make(d):
+        rc, outs = two_nodes(d, "--fsdp", "--bn")
+        assert rc == [0, 0], outs
+        for r in (0, 1):
+            shutil.copy(os.path.join(d, f"node{r}", f"out.frk.rank{r}"), os.path.join(d, f"ref.rank{r}"))
+
+    return shared_run(tmp_root, "nodes-fsdp-ref", make, ("ref.rank0", "ref.rank1"))
+
+
+def test_fsdp2_load_on_node_local_disks_resumes_every_rank_exactly_and_other_placements_refuse(tmp_root, tmp_path):
+    """A sharded (FSDP2) model: each rank's file is on its own node's disk, the manifest on rank 0's. Each rank
+    finds its own file, the manifest is sent to the ranks whose disk lacks it: bitwise on both ranks. With the
+    nodes' disks swapped (each rank's file on the other node) every rank refuses, keeping every file."""
+    ref = fsdp_reference(tmp_root)
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--die-at", "1,5")
+    assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
+    on = lambda n: sorted(p.name for p in (tmp_path / f"node{n}" / "models" / "crash.frk").iterdir())  # noqa: E731
+    assert on(0)[0] == "manifest.frk" and len(on(0)) == 2 and len(on(1)) == 1 and on(1)[0].startswith("shard-00001")
+    swapped = tmp_path / "swapped"
+    for n in (0, 1):  # the same files, each on the other node
+        shutil.copytree(tmp_path / f"node{n}" / "models", swapped / f"node{1 - n}" / "models")
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--resume", "crash")
+    assert rc == [0, 0], outs
+    assert_exact(ref, results(tmp_path))
+    assert len(on(1)) == 1  # the manifest's copy was not left on node 1's disk
+
+    rc, outs = two_nodes(swapped, "--fsdp", "--bn", "--resume", "crash", timeout=200)
+    assert rc[0] != 0 and rc[1] != 0, outs
+    for out in outs:
+        assert "is missing" in out and "a folder every node shares" in out, out[-3000:]
+    assert sorted(p.name for p in (swapped / "node1" / "models" / "crash.frk").iterdir())[0] == "manifest.frk"
+
+
+def test_fsdp2_autocheckpoint_on_node_local_disks_refuses_on_every_rank_and_keeps_the_files(tmp_path):
+    """AutoCheckpoint of a sharded model on node-local disks: rank 0's disk lacks rank 1's files, so the rerun
     refuses on every rank, promptly, saying what a resume needs (a folder every node shares); nothing is
     renamed or removed."""
-    auto = ("--auto", "4") if way == "autocheckpoint" else ()
-    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--die-at", "1,5", *auto)
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--die-at", "1,5", "--auto", "4")
     assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
     files = lambda: sorted(  # noqa: E731  (the run's lock comes and goes with each process)
         str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")
     )
     before = files()
-    rerun = ("--resume", "crash") if way == "load" else auto
     t0 = time.monotonic()
-    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", *rerun, timeout=200)
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--auto", "4", timeout=200)
     assert rc[0] != 0 and rc[1] != 0, outs
     assert time.monotonic() - t0 < 120
     for out in outs:
