@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import tempfile
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -100,7 +101,9 @@ class _Steps:
 
     def __init__(self, world_group):
         _Steps.generation += 1
-        self.world_id, self.seq, self.group = id(world_group), 0, None  # (no reference: see `_forget`)
+        # a weak reference: the group kept past `destroy_process_group` can abort the exit (`_forget`); an id
+        # could be the next group's
+        self.world, self.seq, self.group = weakref.ref(world_group), 0, None
         # torchrun's agent keeps one store across restarts of the workers: a restart's keys are its own
         self.prefix = f"fastai_resume/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_Steps.generation}"
 
@@ -129,7 +132,7 @@ _state: dict = {}
 def _steps() -> _Steps:
     world_group = D.group.WORLD
     s = _state.get("steps")
-    if s is None or s.world_id != id(world_group):
+    if s is None or s.world() is not world_group:
         s = _state["steps"] = _Steps(world_group)
     return s
 
