@@ -177,7 +177,7 @@ def _same_resume_on_every_rank(learn, sc: Script, index: int) -> None:
             lambda: None if me in armed else learn.load(got, fast_forward=fast_forward),
         )
     finally:
-        if me not in armed:
+        if me != src:  # a copy (armed ranks other than `src` were sent one too)
             os.unlink(got)
     if me not in armed and sc.armed is not None:
         sc.armed.path = Path(path)  # (rank `src`'s: what messages name)
