@@ -227,18 +227,14 @@ class AutoCheckpoint(Callback):
         run.resumed = True
         if p is None:
             return
-        got = dist.fetch_missing(f"AutoCheckpoint: {p.name} on every rank", p)  # node-local folders: rank 0's
-        try:
+        with dist.fetch_missing(f"AutoCheckpoint: {p.name} on every rank", p) as got:  # node-local: rank 0's
             dist.together(  # one rank failing stops all
                 f"AutoCheckpoint: load {p.name}",
                 lambda: self.learn.load(got, fast_forward=self.fast_forward),
                 f"AutoCheckpoint: rank {{rank}} could not load {p} ({{why}}); every rank stops",
             )
-        finally:
-            if got != p:  # a copy of rank 0's file, on a node whose folder does not hold it
-                got.unlink()
-                if sc.armed is not None:
-                    sc.armed.path = p
+        if sc.armed is not None:  # (loaded from a copy, on a node whose folder does not hold it: rank 0's name)
+            sc.armed.path = p
         print(f"AutoCheckpoint: found {p.name}")
 
     # -- events -----------------------------------------------------------------------------

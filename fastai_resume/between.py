@@ -304,25 +304,22 @@ def _restore(learn, sc, st) -> None:
             "resumable checkpoint was saved in that stage, so its end state was not kept"
         )
     else:
-        path = got = _abs(learn, ref["file"])
-        if dist.active() and not dist.sharded(learn.model):  # node-local folders: the rank that wrote it sends it
-            got = dist.fetch_missing(f"stage {st.index}'s end state on every rank", path)
-        try:
-            tree = sharded.read(got, learn)
-            end = tree.get("end")
-            if not isinstance(end, dict) or end.get("token") != ref["token"]:
-                raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")
-            trainstate.validate_end(end, path, len(list(learn.model.parameters())))
-            # (nothing changed the frozen parameters since the skipped stage began and took their fingerprints)
-            dev = getattr(learn.dls, "device", None)
-            checkpoint.load_tree(learn, path, tree, dev, True, True, known=sc.base)
-            trainstate.restore_end(learn, end)
-            _print_rows(learn, end)
-        except (CheckpointError, OSError) as e:
-            why = f"holds the script's own state ({a.path.name} is armed), not stage {st.index}'s end: {e}"
-        finally:
-            if got != path:
-                got.unlink()
+        path = _abs(learn, ref["file"])
+        # node-local folders: the rank that wrote the file sends it (a sharded end state's folder: each reads its own)
+        with dist.fetch_missing(f"stage {st.index}'s end state on every rank", path) as got:
+            try:
+                tree = sharded.read(got, learn)
+                end = tree.get("end")
+                if not isinstance(end, dict) or end.get("token") != ref["token"]:
+                    raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")
+                trainstate.validate_end(end, path, len(list(learn.model.parameters())))
+                # (nothing changed the frozen parameters since the skipped stage began and took their fingerprints)
+                dev = getattr(learn.dls, "device", None)
+                checkpoint.load_tree(learn, path, tree, dev, True, True, known=sc.base)
+                trainstate.restore_end(learn, end)
+                _print_rows(learn, end)
+            except (CheckpointError, OSError) as e:
+                why = f"holds the script's own state ({a.path.name} is armed), not stage {st.index}'s end: {e}"
     sc.ends.append(ref if why is None else None)
     numbers = _expected(learn, "stage")
     if numbers is not None:

@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 import weakref
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -308,14 +309,21 @@ def share_file(step: str, path, src: int) -> Path:
         raise StepTimeout(f"fastai_resume: step {step!r}: rank {src}'s file {path} did not arrive: {e}") from None
 
 
-def fetch_missing(step: str, path) -> Path:
-    """`path` on every rank: where some ranks' disks do not hold that file (node-local folders) and another
-    rank's does, those ranks get a copy of the lowest such rank's in a temporary file (returned: the caller
-    removes what is not `path`). A step."""
+@contextmanager
+def fetch_missing(step: str, path):
+    """`path` on every rank, for the `with` block: where some ranks' disks do not hold that file (node-local
+    folders) and another rank's does, the ranks get a copy of the lowest such rank's in a temporary file,
+    removed as the block ends. A step."""
     have = exchange(step, os.path.isfile(path))
     if all(have) or not any(have):
-        return Path(path)
-    return share_file(f"{step} (sent by rank {have.index(True)})", path, have.index(True))
+        yield Path(path)
+        return
+    got = share_file(f"{step} (sent by rank {have.index(True)})", path, have.index(True))
+    try:
+        yield got
+    finally:
+        if got != Path(path):
+            got.unlink()
 
 
 def sharded(model) -> bool:

@@ -337,19 +337,15 @@ def read(path, learn) -> dict:
         return tree
     live = _Live(learn)
     # (nodes with disks of their own: the manifest is on rank 0's, each rank's file on its own node's)
-    manifest = dist.fetch_missing(f"read {path.name}: its manifest", path / MANIFEST) if dist.active() else None
-    try:
+    with dist.fetch_missing(f"read {path.name}: its manifest", path / MANIFEST) as manifest:
         return dist.together(
             f"read {path.name}",
             lambda: _read_folder(path, live, manifest),
             f"{path}: rank {{rank}} could not read its part: {{why}}",
         )
-    finally:
-        if manifest is not None and manifest != path / MANIFEST:
-            manifest.unlink()
 
 
-def _read_folder(path: Path, live: _Live, manifest: Path | None) -> dict:
+def _read_folder(path: Path, live: _Live, manifest: Path) -> dict:
     _, tree, entries, shards = shardfiles.open_folder(path, manifest=manifest)
     for e in entries:
         t = shards.files[shards.own][0][tuple(e["path"])]

@@ -335,10 +335,11 @@ def open_folder(path: Path, base_rank: int | None = None, manifest: Path | None 
     """The sharded checkpoint at `path`, checked whole (manifest, every shard file there at its size), and one
     rank's file read (`base_rank`: this rank's, or rank 0's for a rank the saved run did not have):
     (manifest, its tree without its shard part, its DTensor entries, the `Shards` of all). `manifest`: read
-    from there (a copy of rank 0's, on a node whose disk lacks it); then, at the saved world size, each rank
-    checks its own file (every rank reads together: one rank's missing file is an error on all)."""
+    from there (a copy of rank 0's, on a node whose disk lacks it). Under torch.distributed, at the saved
+    world size, each rank checks its own file (every rank reads together: one rank's missing file is an
+    error on all)."""
     m = read_manifest(path, manifest)
-    only = dist.rank() if manifest is not None and dist.world() == m["world_size"] else None
+    only = dist.rank() if dist.active() and dist.world() == m["world_size"] else None
     for s in m["shards"]:  # every rank checks them all: a checkpoint with a shard missing is invalid for all
         if only is not None and s["rank"] != only:
             continue
