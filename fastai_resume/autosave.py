@@ -100,7 +100,9 @@ class AutoCheckpoint(Callback):
     - Under torch.distributed (`distrib_ctx`): every rank runs the callback; rank 0 writes each
       checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
       from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
-      failed save are agreed by all (one bounded step per batch, `dist.agree_any`).
+      failed save are agreed by all (one bounded step per batch, `dist.agree_any`). A sharded fit's
+      ranks each write their file; where their disks are their nodes' own, every rank takes part in
+      the choice and each node keeps what rank 0 keeps (`RunFolder.latest_valid_together`).
     - `remote='s3://bucket/run/'` (any fsspec URL; `remote_options`: the file system's options): each
       checkpoint committed here is then mirrored there by a background thread, `keep` holds there too, and
       a start whose local folder lacks a newer checkpoint resumes from the remote's (`remote.Mirror`,
@@ -198,7 +200,7 @@ class AutoCheckpoint(Callback):
         )
 
         def in_folder():  # under DDP rank 0 alone touches the folder, and tells the others (or all raise)
-            p = None
+            p = choose = None
             files.take_lock()
             files.remove_dead_temps()
             if self.remote is not None and self._mirror is None:  # the remote's lease, checked before any training
@@ -206,18 +208,33 @@ class AutoCheckpoint(Callback):
                     self.remote, self.remote_options, self.folder, self.fname, self.run_id, self.keep, self.remote_wait
                 )
             if self.resume and stage.resume and not stage.explicit and not run.resumed and sc.armed is None:
-                p = files.latest_valid()
-                if self._mirror is not None:  # a newer checkpoint on the remote (a new machine: none here)
-                    p = self._mirror.resume_point(p)
-                if p is not None:
-                    _retain(files)  # a run killed between a commit and its retention
+                if files.node_local():  # chosen by every rank below, each checking the files its node's disk holds
+                    choose = [p.name for p in reversed(files.checkpoints())]
+                else:
+                    p = files.latest_valid()
+                    if self._mirror is not None:  # a newer checkpoint on the remote (a new machine: none here)
+                        p = self._mirror.resume_point(p)
+                    if p is not None:
+                        _retain(files)  # a run killed between a commit and its retention
             if run.attempt is None:
                 names = [f.name for f in files.checkpoints()] + (self._mirror.names() if self._mirror else [])
                 last = max((files.attempt_of(Path(n)) for n in names), default=-1)
                 run.attempt = files.attempt_of(p) if p is not None else last + 1
-            return p
+            return p, choose
 
-        p = dist.together("AutoCheckpoint: its folder", lambda: in_folder() if dist.rank() == 0 else None)
+        together = dist.active() and dist.sharded(self.learn.model)  # every rank writes a file of each save
+        if together and self.remote is not None:
+            raise CheckpointError(_SHARDED_REMOTE)
+        files.near = dist.sees_rank0("AutoCheckpoint: the ranks on rank 0's disk", self.folder) if together else None
+        p, choose = dist.together(
+            "AutoCheckpoint: its folder", lambda: in_folder() if dist.rank() == 0 else (None, None)
+        )
+        choose = dist.exchange("AutoCheckpoint: this run's checkpoints", choose)[0] if files.node_local() else None
+        if choose is not None:
+            p = files.latest_valid_together(choose)
+            if p is not None:
+                run.attempt = files.attempt_of(p)
+                _retain(files, every_rank=True)  # a run killed between a commit and its retention
         if dist.active():
             mine = [None if p is None else str(p), run.attempt]
             p, run.attempt = dist.exchange("AutoCheckpoint: the checkpoint to resume from", mine)[0]
@@ -307,6 +324,13 @@ class AutoCheckpoint(Callback):
 
     def _check_inflight(self, block, last=False):
         self.saves.check_inflight(self.files, block, last)
+
+
+_SHARDED_REMOTE = (
+    "AutoCheckpoint(remote=...) mirrors checkpoints that are one file; a sharded (FSDP2) fit's are a folder of "
+    "one file per rank, which it does not upload: nothing was trained. Keep a sharded fit's checkpoints in a "
+    "folder every node shares (or on each node's disk, every rank placed on the node of its file), without remote="
+)
 
 
 class Saves:
@@ -417,14 +441,15 @@ class Saves:
         for msg in w.then_result or ():
             warnings.warn(msg, stacklevel=3)
 
-    def committed(self, path, files=None) -> None:
-        """`path` is committed: the mirror gets it and, `files` given (rank 0, not the writer thread), the
-        retention runs (only ever after a commit, and at autoresume: the newest `keep` of this run stay)."""
+    def committed(self, path, files=None, every_rank: bool = False) -> None:
+        """`path` is committed: the mirror gets it and, `files` given (rank 0, not the writer thread; or
+        `every_rank`, a sharded save, where each node's disk holds its ranks' files), the retention runs (only
+        ever after a commit, and at autoresume: the newest `keep` of this run stay)."""
         self.saved.append(path)
         if self.mirror is not None:
             self.mirror.committed(path)
         if files is not None:
-            _retain(files)
+            _retain(files, every_rank)
 
     def fail(self, msg, exc):
         "A save failed: raise (now, or under DDP on every rank at the next agreement) or warn and print."
@@ -444,8 +469,14 @@ class Saves:
         )
 
 
-def _retain(files) -> None:
-    for msg in files.remove_stale():
+def _retain(files, every_rank: bool = False) -> None:
+    if every_rank and files.node_local():
+        msgs = files.remove_stale_together()
+    elif dist.rank() == 0:
+        msgs = files.remove_stale()
+    else:
+        return
+    for msg in msgs:
         warnings.warn(msg, stacklevel=3)
 
 

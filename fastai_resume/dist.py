@@ -56,6 +56,7 @@ __all__ = [
     "all_gather_ints",
     "share_file",
     "fetch_missing",
+    "sees_rank0",
     "sharded",
     "unwrap_dl",
     "is_distributed_dl",
@@ -324,6 +325,24 @@ def fetch_missing(step: str, path):
     finally:
         if got != Path(path):
             got.unlink()
+
+
+def sees_rank0(step: str, folder) -> list:
+    """Which ranks' `folder` is rank 0's (a file system they share), as [bool per rank]: rank 0 puts a file of
+    a new random name there and every rank looks for it. Two steps; rank 0 creates `folder` if need be."""
+    if not active():
+        return [True]
+    token = os.urandom(8).hex() if D.get_rank() == 0 else None
+    probe = Path(folder) / f".fastai_resume-probe-{token}"
+    if token is not None:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    try:
+        token = exchange(f"{step}: rank 0's mark", token)[0]
+        return exchange(f"{step}: who sees it", (Path(folder) / f".fastai_resume-probe-{token}").exists())
+    finally:
+        if D.get_rank() == 0:
+            probe.unlink(missing_ok=True)
 
 
 def sharded(model) -> bool:

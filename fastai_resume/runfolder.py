@@ -15,11 +15,13 @@ import fcntl
 import hashlib
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 
 from . import dist, io, loaders, shardfiles, stored
 from .io import CheckpointError
+from .paths import MANIFEST
 
 __all__ = ["RunFolder", "run_identity"]
 
@@ -52,6 +54,11 @@ class RunFolder:
         self.ends = re.compile(re.escape(self.prefix) + r"g(\d{3})" + stored.STAGE_END + "$")
         self.attempt: int | None = None
         self._lock: tuple | None = None  # (open file, path) while this process trains the run
+        self.near: list | None = None  # a sharded fit under torch.distributed: the ranks whose disk is rank 0's
+
+    def node_local(self) -> bool:
+        "Does a sharded fit's every rank write to this folder on a disk of its node's own (not every rank rank 0's)?"
+        return self.near is not None and not all(self.near)
 
     def name(self, stage, fit_index, epoch, it) -> Path:
         return self.folder / (
@@ -84,19 +91,38 @@ class RunFolder:
                 return p
             except CheckpointError as e:
                 if isinstance(e, shardfiles.Incomplete) and dist.active():  # not corrupt: another node may have it
-                    raise CheckpointError(
-                        f"AutoCheckpoint: {e} on rank 0's disk. Where the nodes do not share this folder, each rank "
-                        "of a sharded fit writes its file on its own node's disk, and a resume needs them together "
-                        "(the remote mirror uploads what rank 0's disk holds): keep a sharded fit's checkpoints in a "
-                        "folder every node shares. Nothing was changed"
-                    ) from None
-                warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=3)
-                try:
-                    p.rename(p.with_name(p.name + ".corrupt"))
-                except OSError:
-                    pass
+                    raise CheckpointError(f"AutoCheckpoint: {e} on rank 0's disk. {_NOT_TOGETHER}") from None
+                _set_aside(p, e)
             except FileNotFoundError:
                 continue
+        return None
+
+    def latest_valid_together(self, names) -> Path | None:
+        """Under torch.distributed, a sharded fit's choice, on every rank: the newest of rank 0's checkpoints
+        `names` (newest first) whose every file verifies. Where the nodes' disks are their own, rank 0's holds
+        the manifest and each rank's file is on its own node's: the manifest is sent to the ranks whose disk
+        lacks it and the files are checked where they are (rank r those of ranks r, r + world, ...), so each
+        node's ranks find their files; one proven corrupt sets that checkpoint aside on every disk that holds
+        it, one missing (ranks placed on other nodes than when it was saved) is refused on every rank."""
+        world, rank = dist.world(), dist.rank()
+        for name in names:
+            p = self.folder / name
+            with dist.fetch_missing(f"AutoCheckpoint: {name}'s manifest", p / MANIFEST) as mf:
+                try:
+                    m = shardfiles.read_manifest(p, mf)
+                    mine = shardfiles.problems(p, range(rank, m["world_size"], world), mf)
+                except (CheckpointError, OSError) as e:  # (said on every rank, not raised on this one alone)
+                    mine = [(rank, MANIFEST, str(e))]
+            bad = [row for rows in dist.exchange(f"AutoCheckpoint: {name} checked on every rank", mine) for row in rows]
+            if not bad:
+                return p
+            missing = [(r, f) for r, f, why in bad if why == shardfiles.MISSING]
+            if missing:
+                lacks = "; ".join(f"rank {r}'s file {f} is not on its node's disk" for r, f in missing)
+                raise CheckpointError(f"AutoCheckpoint: {p}: {lacks}. {_NOT_TOGETHER}")
+            r, f, why = bad[0]
+            if self.near is None or rank == 0 or not self.near[rank]:  # each disk's copy, once
+                _set_aside(p, CheckpointError(f"rank {r}'s file {f} {why}"), warn=rank == 0)
         return None
 
     # -- the lock -------------------------------------------------------------------------------
@@ -146,9 +172,26 @@ class RunFolder:
 
     # -- removing files -------------------------------------------------------------------------
     def remove_dead_temps(self) -> None:
-        "Temporary files of this run's saves whose process is gone (killed mid-save): never valid."
+        """Temporary files of this run's saves whose process is gone (killed mid-save): never valid. Where a
+        sharded fit's ranks write on their nodes' own disks, a folder without a manifest here that holds a file
+        of a rank on another node now was not left by a killed save: the ranks were placed otherwise."""
         stored.remove_dead_temps(self.folder, lambda name: bool(self.pattern.match(name)))
+        if self.node_local():
+            self._placed_as_saved()
         stored.remove_unfinished(self.folder, lambda name: bool(self.pattern.match(name)))  # folders without a manifest
+
+    def _placed_as_saved(self) -> None:
+        assert self.near is not None
+        for p in self.checkpoints():
+            if not p.is_dir() or (p / MANIFEST).exists():
+                continue
+            for f in p.iterdir():
+                m = shardfiles.SHARD_FILE.match(f.name)
+                if m and (int(m[1]) >= len(self.near) or not self.near[int(m[1])]):
+                    raise CheckpointError(
+                        f"AutoCheckpoint: {f} is rank {int(m[1])}'s file, on rank 0's disk without its manifest: "
+                        f"rank {int(m[1])} runs on another node than when it was saved. {_NOT_TOGETHER}"
+                    )
 
     def remove_stale(self, folder: Path | None = None) -> list:
         """Removes this run's checkpoints in `folder` (default: its own) but the newest `keep`, and the
@@ -171,6 +214,21 @@ class RunFolder:
                 stored.remove(old)  # (a file, or a sharded checkpoint's folder)
             except OSError as e:
                 failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
+        return failed
+
+    def remove_stale_together(self) -> list:
+        """A sharded fit's retention under torch.distributed, on every rank: rank 0 removes this run's stale
+        checkpoints (`remove_stale`) and names those it keeps; on a disk that is not rank 0's (node-local disks:
+        the kept checkpoint's manifest is not there), each rank removes the folders of this run that rank 0
+        keeps no more, which hold the files of that node's ranks only."""
+        failed = self.remove_stale() if dist.rank() == 0 else []
+        kept = [p.name for p in self.checkpoints()] if dist.rank() == 0 else None
+        kept = dist.exchange("AutoCheckpoint: the checkpoints kept", kept)[0]
+        if self.near is None or self.near[dist.rank()]:
+            return failed  # (rank 0's disk: rank 0's to remove)
+        for old in self.checkpoints():
+            if old.name not in kept and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)  # (the node's other ranks remove the same folder)
         return failed
 
     def free_space(self) -> list:
@@ -214,6 +272,24 @@ class RunFolder:
             "Free space on that disk, or give the Learner a path (or model_dir) on a larger one, then run "
             f"the script again: {resume}. The previous checkpoints are intact."
         )
+
+
+_NOT_TOGETHER = (
+    "Where the nodes do not share this folder, each rank of a sharded fit writes its file on its own node's disk, "
+    "and a resume needs every rank on the node that holds its file (launch each node with the same --node_rank as "
+    "before) or the files together: keep a sharded fit's checkpoints in a folder every node shares. Nothing was "
+    "changed"
+)
+
+
+def _set_aside(p: Path, e: Exception, warn: bool = True) -> None:
+    "A checkpoint proven corrupt: named in a warning and renamed `*.corrupt`, which retention never counts."
+    if warn:
+        warnings.warn(f"AutoCheckpoint: skipping {p}: {e}", stacklevel=4)
+    try:
+        p.rename(p.with_name(p.name + ".corrupt"))
+    except OSError:
+        pass
 
 
 def _room(e: OSError) -> str:

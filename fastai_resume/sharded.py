@@ -393,7 +393,7 @@ def autosave(saves, learn, files, path: Path, background: bool):
         except Exception as e:
             saves.fail(f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e)
             return None
-        saves.committed(path, files if dist.rank() == 0 else None)
+        saves.committed(path, files, every_rank=True)
         return path
     _reshard(learn.model)
     token = _token()
@@ -436,7 +436,7 @@ def check_inflight(saves, files, block: bool, last: bool = False) -> None:
     except Exception as e:
         saves.fail(f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact.", e)
         return
-    saves.committed(path, files if dist.rank() == 0 else None)
+    saves.committed(path, files, every_rank=True)
 
 
 def abandon(saves) -> None:

@@ -390,26 +390,9 @@ def describe(path, verify: bool = True) -> dict:
     ranks: list = []
     first = None
     for s in m["shards"]:
-        f = Path(path) / s["file"]
-        row: dict = {"rank": s["rank"], "file": s["file"], "size": s["size"], "problem": None, "chunks": []}
+        row, info, entries = _file_row(Path(path), m, s, verify)
         ranks.append(row)
-        try:
-            if not f.is_file():
-                raise _Bad("is missing")
-            if f.stat().st_size != s["size"]:
-                raise _Bad(f"has {f.stat().st_size:,} bytes, the manifest says {s['size']:,}")
-            info = io.info(f, verify=False)
-            tree = io.stand_ins(info["tree"])
-            entries = _check_shard_meta(tree, f, m, s["rank"])
-            checkpoint.check({k: v for k, v in tree.items() if k != "shard"}, f)
-            if verify:
-                io.info(f, verify=True)
-        except _Bad as e:
-            row["problem"] = str(e)
-            continue
-        except (CheckpointError, OSError) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            row["problem"] = why[len(f"{f}: ") :] if why.startswith(f"{f}: ") else why
+        if row["problem"] is not None:
             continue
         if first is None:
             first = info["tree"]
@@ -420,3 +403,46 @@ def describe(path, verify: bool = True) -> dict:
                 local = None
             row["chunks"].append((".".join(map(str, entry["path"])), entry["shape"], entry["offset"], local))
     return {"manifest": m, "ranks": ranks, "tree": first}
+
+
+def _file_row(path: Path, m: dict, s: dict, verify: bool):
+    "One rank's file of the manifest `m`: ({rank, file, size, problem (None: well formed), chunks}, info, entries)."
+    f = path / s["file"]
+    row: dict = {"rank": s["rank"], "file": s["file"], "size": s["size"], "problem": None, "chunks": []}
+    try:
+        if not f.is_file():
+            raise _Bad(MISSING)
+        if f.stat().st_size != s["size"]:
+            raise _Bad(f"has {f.stat().st_size:,} bytes, the manifest says {s['size']:,}")
+        info = io.info(f, verify=False)
+        tree = io.stand_ins(info["tree"])
+        entries = _check_shard_meta(tree, f, m, s["rank"])
+        checkpoint.check({k: v for k, v in tree.items() if k != "shard"}, f)
+        if verify:
+            io.info(f, verify=True)
+    except _Bad as e:
+        row["problem"] = str(e)
+        return row, None, []
+    except (CheckpointError, OSError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        row["problem"] = why[len(f"{f}: ") :] if why.startswith(f"{f}: ") else why
+        return row, None, []
+    return row, info, entries
+
+
+MISSING = "is missing"
+
+
+def problems(path, ranks, manifest: Path) -> list:
+    """What is wrong with the files of `ranks` of the sharded checkpoint `path`, its manifest read from
+    `manifest` (a copy of rank 0's where this disk lacks it): [(rank, file, problem)] of the files that are
+    missing (`MISSING`), the wrong size, malformed or fail a checksum; [] where they all verify. Each rank of
+    a resume checks its own on node-local disks (`RunFolder.latest_valid_together`)."""
+    m = read_manifest(path, manifest)
+    out = []
+    for s in m["shards"]:
+        if s["rank"] in ranks:
+            row, _, _ = _file_row(Path(path), m, s, verify=True)
+            if row["problem"] is not None:
+                out.append((row["rank"], row["file"], row["problem"]))
+    return out

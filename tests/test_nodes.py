@@ -204,21 +204,64 @@ def test_fsdp2_load_on_node_local_disks_resumes_every_rank_exactly_and_other_pla
     assert sorted(p.name for p in (swapped / "node1" / "models" / "crash.frk").iterdir())[0] == "manifest.frk"
 
 
-def test_fsdp2_autocheckpoint_on_node_local_disks_refuses_on_every_rank_and_keeps_the_files(tmp_path):
-    """AutoCheckpoint of a sharded model on node-local disks: rank 0's disk lacks rank 1's files, so the rerun
-    refuses on every rank, promptly, saying what a resume needs (a folder every node shares); nothing is
-    renamed or removed."""
+def test_fsdp2_autocheckpoint_on_node_local_disks_resumes_each_rank_from_its_own_nodes_file(tmp_root, tmp_path):
+    """AutoCheckpoint of a sharded model, each node's disk its own: rank 0's holds the manifests and its files,
+    rank 1's only its files. The rerun chooses together (the manifest sent, each rank checking its own file):
+    bitwise on both ranks, and each node keeps only the checkpoints rank 0 keeps. A newest file corrupt on
+    node 1: that checkpoint set aside on both disks, the one before resumed, exact. The disks swapped (every
+    rank's file on the other node), or node 1 a new machine: every rank refuses, naming the files, and nothing
+    is renamed or removed."""
+    ref = fsdp_reference(tmp_root)
     rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--die-at", "1,5", "--auto", "4")
     assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
+    autos = lambda n: sorted((tmp_path / f"node{n}" / "models").glob("auto-*.frk"))  # noqa: E731
+    assert len(autos(0)) == len(autos(1)) >= 2
+    assert all(len(list(d.iterdir())) == 1 for d in autos(1)), "node 1 holds rank 1's files only"
+    corrupt, swapped = tmp_path / "corrupt", tmp_path / "swapped"
+    for n in (0, 1):
+        shutil.copytree(tmp_path / f"node{n}", corrupt / f"node{n}")
+        shutil.copytree(tmp_path / f"node{n}" / "models", swapped / f"node{1 - n}" / "models")
+
+    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--auto", "4")
+    assert rc == [0, 0], outs
+    assert "AutoCheckpoint: found" in outs[0] and "AutoCheckpoint: found" in outs[1]
+    assert_exact(ref, results(tmp_path))
+    assert [d.name for d in autos(0)] == [d.name for d in autos(1)] and len(autos(1)) <= 3  # keep=3 on each node
+
+    newest = sorted((corrupt / "node1" / "models").glob("auto-*.frk"))[-1].name
+    shard = next((corrupt / "node1" / "models" / newest).iterdir())
+    with open(shard, "r+b") as f:  # a flipped byte in the middle of rank 1's newest file
+        f.seek(shard.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rc, outs = two_nodes(corrupt, "--fsdp", "--bn", "--auto", "4", "--show-warnings")
+    assert rc == [0, 0], outs
+    assert f"skipping {corrupt / 'work' / 'models' / newest}: rank 1's file" in outs[0], outs[0][-3000:]
+    assert_exact(ref, results(corrupt))
+    for n in (0, 1):  # set aside on both disks (not counted by retention, not removed)
+        assert (corrupt / f"node{n}" / "models" / (newest + ".corrupt")).is_dir()
+
     files = lambda: sorted(  # noqa: E731  (the run's lock comes and goes with each process)
-        str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".lock")
+        str(p.relative_to(swapped)) for p in swapped.rglob("*") if p.is_file() and not p.name.endswith(".lock")
     )
     before = files()
     t0 = time.monotonic()
-    rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--auto", "4", timeout=200)
+    rc, outs = two_nodes(swapped, "--fsdp", "--bn", "--auto", "4", timeout=200)
     assert rc[0] != 0 and rc[1] != 0, outs
     assert time.monotonic() - t0 < 120
     for out in outs:
-        assert "a folder every node shares" in out, out[-3000:]
+        assert "rank 1 runs on another node than when it was saved" in out, out[-3000:]
+        assert "launch each node with the same --node_rank as before" in out, out[-3000:]
     after = files()
     assert [f for f in before if f not in after] == [] and not [f for f in after if f.endswith(".corrupt")]
+
+    new = tmp_path / "new"  # node 1 replaced by a new machine: an empty disk
+    shutil.copytree(swapped / "node1", new / "node0")
+    rc, outs = two_nodes(new, "--fsdp", "--bn", "--auto", "4", timeout=200)
+    assert rc[0] != 0 and rc[1] != 0, outs
+    for out in outs:
+        assert "rank 1's file shard-00001-of-00002" in out and "is not on its node's disk" in out, out[-3000:]
+    assert sorted(p.name for p in (new / "node0" / "models").glob("auto-*")) == sorted(
+        p.name for p in (swapped / "node1" / "models").glob("auto-*")
+    )

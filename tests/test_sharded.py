@@ -438,6 +438,15 @@ def test_a_checkpoint_with_a_shard_missing_is_refused_on_every_rank(tmp_root, tm
     assert p.returncode != 0 and out.count("rank 1's file") >= 2, out[-3000:]  # said on both ranks, no hang
 
 
+def test_autocheckpoint_with_a_remote_refuses_a_sharded_fit_before_it_trains(tmp_path):
+    "The mirror uploads one file per checkpoint; a sharded fit's are folders: every rank refuses, nothing trained."
+    remote = f"file://{tmp_path / 'remote'}/"
+    p = launch(2, tmp_path, tmp_path / "res.frk", "--auto", "4", "--remote", remote, ok=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and out.count("a sharded (FSDP2) fit's are a folder") >= 2, out[-3000:]
+    assert not list(tmp_path.rglob("auto-*")) and not (tmp_path / "remote").exists()
+
+
 def _saved_state(tmp_root, n, epoch, k):
     d = killed(tmp_root, n, epoch, k)
     return [fr.load(os.path.join(d, f"dead.frk.rank{r}.saved")) for r in range(n)]
