@@ -143,6 +143,35 @@ def test_two_fresh_nodes_resume_exactly_from_the_remote(tmp_root, tmp_path):
     assert_exact(ref, results(tmp_path))
 
 
+@functools.cache
+def fine_tune_reference(tmp_root):
+    "The uninterrupted two-node `fine_tune` (a frozen stage, then an unfrozen one), once per session."
+
+    def make(d):
+        rc, outs = two_nodes(d, "--method", "fine_tune")
+        assert rc == [0, 0], outs
+        for r in (0, 1):
+            shutil.copy(os.path.join(d, f"node{r}", f"out.frk.rank{r}"), os.path.join(d, f"ref.rank{r}"))
+
+    return shared_run(tmp_root, "nodes-fine-tune-ref", make, ("ref.rank0", "ref.rank1"))
+
+
+@pytest.mark.parametrize("way", ["load", "auto"])
+def test_fine_tune_killed_in_its_second_stage_resumes_every_rank_exactly(tmp_root, tmp_path, way):
+    """fastai's `fine_tune` is two training calls: the frozen epoch, then the unfrozen ones. Killed in the
+    second, the rerun passes the first on every rank with its end state (on rank 0's disk only, sent to
+    rank 1), by `learn.load` where the file is or by AutoCheckpoint: bitwise on both ranks."""
+    ref = fine_tune_reference(tmp_root)
+    args = ("--method", "fine_tune") + (("--auto", "4") if way == "auto" else ())
+    killed(tmp_path, *args)
+    assert not (tmp_path / "node1" / "models").exists()  # DDP: rank 0 alone writes
+    again = args + (("--resume", "crash", "--resume-if-saved") if way == "load" else ())
+    rc, outs = two_nodes(tmp_path, *again)
+    assert rc == [0, 0], outs
+    assert_exact(ref, results(tmp_path))
+    assert not (tmp_path / "node1" / "models").exists()
+
+
 def test_ranks_that_loaded_different_checkpoints_refuse_together(tmp_path):
     "Node 1's disk holds a `crash` of another run: each rank loads its own; every rank refuses, naming both."
     killed(tmp_path)
