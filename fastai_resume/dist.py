@@ -329,17 +329,21 @@ def fetch_missing(step: str, path):
 
 def sees_rank0(step: str, folder) -> list:
     """Which ranks' `folder` is rank 0's (a file system they share), as [bool per rank]: rank 0 puts a file of
-    a new random name there and every rank looks for it. Two steps; rank 0 creates `folder` if need be."""
+    a new random name there (creating `folder` if need be) and every rank looks for it. Three steps; rank 0
+    failing to write it (a read-only or full disk) raises on every rank."""
     if not active():
         return [True]
-    token = os.urandom(8).hex() if D.get_rank() == 0 else None
-    probe = Path(folder) / f".fastai_resume-probe-{token}"
-    if token is not None:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.touch()
+    probe = Path(folder) / f".fastai_resume-probe-{os.urandom(8).hex()}"  # (rank 0's name is the one looked for)
+
+    def mark():
+        if D.get_rank() == 0:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.touch()
+
     try:
-        token = exchange(f"{step}: rank 0's mark", token)[0]
-        return exchange(f"{step}: who sees it", (Path(folder) / f".fastai_resume-probe-{token}").exists())
+        together(f"{step}: rank 0 marks its folder", mark)
+        name = exchange(f"{step}: the mark's name", probe.name if D.get_rank() == 0 else None)[0]
+        return exchange(f"{step}: who sees it", (Path(folder) / name).exists())
     finally:
         if D.get_rank() == 0:
             probe.unlink(missing_ok=True)

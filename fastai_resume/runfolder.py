@@ -15,7 +15,6 @@ import fcntl
 import hashlib
 import os
 import re
-import shutil
 import warnings
 from pathlib import Path
 
@@ -193,16 +192,19 @@ class RunFolder:
                         f"rank {int(m[1])} runs on another node than when it was saved. {_NOT_TOGETHER}"
                     )
 
-    def remove_stale(self, folder: Path | None = None) -> list:
-        """Removes this run's checkpoints in `folder` (default: its own) but the newest `keep`, and the
-        stage ends no kept checkpoint can name; returns what could not be removed, as warnings to give.
-        A background save runs it in its writer thread after its commit, with the folder it wrote to:
-        unlinking a big file costs tens of milliseconds, which training need not wait for."""
+    def remove_stale(self, folder: Path | None = None, kept_names: list | None = None) -> list:
+        """Removes this run's checkpoints in `folder` (default: its own) but the newest `keep` (or but
+        `kept_names`: rank 0's choice, on another node's disk), and the stage ends no kept checkpoint can
+        name; returns what could not be removed, as warnings to give. A background save runs it in its writer
+        thread after its commit, with the folder it wrote to: unlinking a big file costs tens of
+        milliseconds, which training need not wait for."""
         folder = self.folder if folder is None else folder
         try:
             files = self.checkpoints(folder)
-            stale = files[: -self.keep]
-            kept = {f"{self.attempt_of(p):03d}" for p in files[-self.keep :]}
+            if kept_names is None:
+                kept_names = [p.name for p in files[-self.keep :]]
+            stale = [p for p in files if p.name not in kept_names]
+            kept = {f"{self.attempt_of(Path(n)):03d}" for n in kept_names}
             if self.attempt is not None:  # those of the current attempt stay while it runs
                 kept.add(f"{self.attempt:03d}")
             stale += sorted(p for p in folder.iterdir() if (m := self.ends.match(p.name)) and m[1] not in kept)
@@ -212,24 +214,23 @@ class RunFolder:
         for old in stale:
             try:
                 stored.remove(old)  # (a file, or a sharded checkpoint's folder)
+            except FileNotFoundError:
+                pass  # (another rank of this node removed it first)
             except OSError as e:
                 failed.append(f"AutoCheckpoint: could not remove {old}: {e}")
         return failed
 
     def remove_stale_together(self) -> list:
         """A sharded fit's retention under torch.distributed, on every rank: rank 0 removes this run's stale
-        checkpoints (`remove_stale`) and names those it keeps; on a disk that is not rank 0's (node-local disks:
-        the kept checkpoint's manifest is not there), each rank removes the folders of this run that rank 0
-        keeps no more, which hold the files of that node's ranks only."""
+        checkpoints (`remove_stale`) and names those it keeps; each rank whose disk is not rank 0's (node-local
+        disks) removes on its own what rank 0 keeps no more (the files of its node's ranks: checkpoints, those
+        a killed save left, stage ends)."""
         failed = self.remove_stale() if dist.rank() == 0 else []
         kept = [p.name for p in self.checkpoints()] if dist.rank() == 0 else None
         kept = dist.exchange("AutoCheckpoint: the checkpoints kept", kept)[0]
         if self.near is None or self.near[dist.rank()]:
             return failed  # (rank 0's disk: rank 0's to remove)
-        for old in self.checkpoints():
-            if old.name not in kept and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)  # (the node's other ranks remove the same folder)
-        return failed
+        return self.remove_stale(kept_names=kept)
 
     def free_space(self) -> list:
         "After ENOSPC: remove this run's checkpoints but the newest valid one. Returns [(path, bytes)] removed."
