@@ -87,16 +87,16 @@ def assert_exact(ref, res):
 
 
 @functools.cache
-def reference(tmp_root):
-    "The uninterrupted two-node run, once per session."
+def reference(tmp_root, *args):
+    "The uninterrupted two-node run with `args`, once per session."
 
     def make(d):
-        rc, outs = two_nodes(d)
+        rc, outs = two_nodes(d, *args)
         assert rc == [0, 0], outs
         for r in (0, 1):
             shutil.copy(os.path.join(d, f"node{r}", f"out.frk.rank{r}"), os.path.join(d, f"ref.rank{r}"))
 
-    return shared_run(tmp_root, "nodes-ref", make, ("ref.rank0", "ref.rank1"))
+    return shared_run(tmp_root, "nodes-ref" + "".join(args), make, ("ref.rank0", "ref.rank1"))
 
 
 def killed(root, *args):
@@ -143,25 +143,12 @@ def test_two_fresh_nodes_resume_exactly_from_the_remote(tmp_root, tmp_path):
     assert_exact(ref, results(tmp_path))
 
 
-@functools.cache
-def fine_tune_reference(tmp_root):
-    "The uninterrupted two-node `fine_tune` (a frozen stage, then an unfrozen one), once per session."
-
-    def make(d):
-        rc, outs = two_nodes(d, "--method", "fine_tune")
-        assert rc == [0, 0], outs
-        for r in (0, 1):
-            shutil.copy(os.path.join(d, f"node{r}", f"out.frk.rank{r}"), os.path.join(d, f"ref.rank{r}"))
-
-    return shared_run(tmp_root, "nodes-fine-tune-ref", make, ("ref.rank0", "ref.rank1"))
-
-
 @pytest.mark.parametrize("way", ["load", "auto"])
 def test_fine_tune_killed_in_its_second_stage_resumes_every_rank_exactly(tmp_root, tmp_path, way):
     """fastai's `fine_tune` is two training calls: the frozen epoch, then the unfrozen ones. Killed in the
     second, the rerun passes the first on every rank with its end state (on rank 0's disk only, sent to
     rank 1), by `learn.load` where the file is or by AutoCheckpoint: bitwise on both ranks."""
-    ref = fine_tune_reference(tmp_root)
+    ref = reference(tmp_root, "--method", "fine_tune")
     args = ("--method", "fine_tune") + (("--auto", "4") if way == "auto" else ())
     killed(tmp_path, *args)
     assert not (tmp_path / "node1" / "models").exists()  # DDP: rank 0 alone writes
@@ -196,24 +183,11 @@ def test_a_rank_that_does_not_arrive_stops_every_rank_after_the_bounded_wait(tmp
     assert time.monotonic() - t0 < 150
 
 
-@functools.cache
-def fsdp_reference(tmp_root):
-    "The uninterrupted two-node FSDP2 run, once per session."
-
-    def make(d):
-        rc, outs = two_nodes(d, "--fsdp", "--bn")
-        assert rc == [0, 0], outs
-        for r in (0, 1):
-            shutil.copy(os.path.join(d, f"node{r}", f"out.frk.rank{r}"), os.path.join(d, f"ref.rank{r}"))
-
-    return shared_run(tmp_root, "nodes-fsdp-ref", make, ("ref.rank0", "ref.rank1"))
-
-
 def test_fsdp2_load_on_node_local_disks_resumes_every_rank_exactly_and_other_placements_refuse(tmp_root, tmp_path):
     """A sharded (FSDP2) model: each rank's file is on its own node's disk, the manifest on rank 0's. Each rank
     finds its own file, the manifest is sent to the ranks whose disk lacks it: bitwise on both ranks. With the
     nodes' disks swapped (each rank's file on the other node) every rank refuses, keeping every file."""
-    ref = fsdp_reference(tmp_root)
+    ref = reference(tmp_root, "--fsdp", "--bn")
     rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--die-at", "1,5")
     assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
     on = lambda n: sorted(p.name for p in (tmp_path / f"node{n}" / "models" / "crash.frk").iterdir())  # noqa: E731
@@ -240,7 +214,7 @@ def test_fsdp2_autocheckpoint_on_node_local_disks_resumes_each_rank_from_its_own
     node 1: that checkpoint set aside on both disks, the one before resumed, exact. The disks swapped (every
     rank's file on the other node), or node 1 a new machine: every rank refuses, naming the files, and nothing
     is renamed or removed."""
-    ref = fsdp_reference(tmp_root)
+    ref = reference(tmp_root, "--fsdp", "--bn")
     rc, outs = two_nodes(tmp_path, "--fsdp", "--bn", "--die-at", "1,5", "--auto", "4")
     assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
     autos = lambda n: sorted((tmp_path / f"node{n}" / "models").glob("auto-*.frk"))  # noqa: E731
