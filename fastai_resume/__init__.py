@@ -8,6 +8,7 @@ each module imports only those listed before it (`tests/test_layering.py` checks
 imports too), and only io imports the C core.
 
     _core (csrc/), io.py   the checkpoint format (pickle-free, verified, atomic); the walk of a value tree
+    fields.py              the validation kit: checks of a file's values that name the field they refuse
     _hooks.py              code run when a module is imported (the patches wait for fastai's)
     paths.py               where a name's file is
     stored.py              a checkpoint on disk, a file or a folder: exists, size, removal; temporary files
@@ -75,6 +76,7 @@ _SUBMODULES = {
     "checkpoint",
     "dcp",
     "dist",
+    "fields",
     "fsdp",
     "frozen",
     "loaders",
