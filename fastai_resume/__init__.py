@@ -17,7 +17,8 @@ imports too), and only io imports the C core.
     state.py, loaders.py,  pieces of the training state: RNG, Recorder, hidden state, gradients;
     trackers.py,           each DataLoader's iteration state and the skip of k batches; the
     callbacks.py           callbacks' state (TensorBoard's and W&B's, fastai's, the user's hooks)
-    trainstate.py          the checkpoint's training state: version, capture, validation, restore
+    pieces.py              the training state as a table of pieces, each captured, checked, restored
+    trainstate.py          a checkpoint's training state and a stage's end, built by walking the tables
     script.py              what is known about one learner's script (and the hooks that act on it)
     frozen.py              what a checkpoint holds of a model: what trains, the frozen rest by fingerprint
     checkpoint.py          the Learner checkpoint: tree, commit, read, load into the learner
@@ -83,6 +84,7 @@ _SUBMODULES = {
     "objstore",
     "patches",
     "paths",
+    "pieces",
     "remote",
     "runfolder",
     "script",
