@@ -31,6 +31,7 @@ imports too), and only io imports the C core.
     between.py, stages.py  the script's stages, their end states and what it does between them
     session.py             one fit's resume: its callback, position (at another world size too), skip, restore
     objstore.py            object storage (fsspec): checked transfers, markers; `learn.load(url)`
+    lease.py               one run's lease on its remote folder: which process may write there
     remote.py              one run's checkpoints mirrored to object storage, resumed from it elsewhere
     runfolder.py,          AutoCheckpoint: a run's files (names, lock, retention); when to save,
     autosave.py            autoresume, preemption, the remote mirror
@@ -80,6 +81,7 @@ _SUBMODULES = {
     "fields",
     "fsdp",
     "frozen",
+    "lease",
     "loaders",
     "objstore",
     "patches",
