@@ -38,15 +38,10 @@ __all__ = [
     "Piece",
     "CHECKPOINT",
     "STAGE_END",
-    "check_rng",
-    "check_loader",
-    "check_recorder",
-    "check_modules",
     "check_script",
+    "script_part",
     "saved_rng",
     "grads_mismatch",
-    "recorder_numbers",
-    "set_recorder_numbers",
 ]
 
 
@@ -70,11 +65,11 @@ class Now:
 @dataclass(frozen=True)
 class Piece:
     """One part of the training state. `keys`: what it writes in its layout, in order (each required when a
-    file is read, but `optional`: older files lack them, or they may be None). `per_rank`: it differs
+    file is read, but those in `optional`, which older files may lack). `per_rank`: it differs
     between the ranks of a data-parallel fit (rank 0's at the top, every other rank's under `ranks`).
     `capture(now) -> {key: value}`; `check(tree, where)` raises `Bad` naming a malformed field of `tree`
     (the layout's dict, or a rank's part; `where` its path). `agree(learn, tree) -> str`: what makes it
-    unfit for this learner ('' if nothing), judged before anything is restored. The restores, each where
+    unfit for this learner ('' if nothing), judged before any piece is restored. The restores, each where
     its layout is restored: `at_fit(learn, tree)` as a resumed fit starts, `at_epoch(learn, tree, at_save,
     k)` as its epoch starts `k` batches in, `at_end(learn, end)` as a skipped stage's end is restored."""
 
@@ -556,7 +551,7 @@ END_GRAD_SET = Piece(
     at_end=lambda learn, end: state.set_grads(learn.model, end["grad_set"], None),
 )
 
-END_TRAINABLE = Piece(("trainable",), _trainable, optional=("trainable",))  # (kept for the stage's signature)
+END_TRAINABLE = Piece(("trainable",), _trainable, optional=("trainable",))  # (recorded; nothing restores it)
 
 END_TRAINING = Piece(
     ("training",),

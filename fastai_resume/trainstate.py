@@ -15,18 +15,8 @@ import torch
 from . import dist, state
 from .fields import a_dict, a_list, refused
 from .io import CheckpointError
-from .pieces import (
-    CHECKPOINT,
-    STAGE_END,
-    Now,
-    check_recorder,
-    check_rng,
-    grads_mismatch,
-    recorder_numbers,
-    saved_rng,
-    script_part,
-    set_recorder_numbers,
-)
+from .pieces import CHECKPOINT, STAGE_END, Now, grads_mismatch, saved_rng, script_part
+from .state import check_recorder, check_rng, recorder_numbers, set_recorder_numbers
 
 __all__ = [
     "VERSION",
