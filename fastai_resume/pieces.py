@@ -69,7 +69,8 @@ class Piece:
     between the ranks of a data-parallel fit (rank 0's at the top, every other rank's under `ranks`).
     `capture(now) -> {key: value}`; `check(tree, where)` raises `Bad` naming a malformed field of `tree`
     (the layout's dict, or a rank's part; `where` its path). `agree(learn, tree) -> str`: what makes it
-    unfit for this learner ('' if nothing), judged before any piece is restored. The restores, each where
+    unfit for this learner ('' if nothing), judged before anything is changed (`agree_loaded`: once the
+    checkpoint's optimizer state is in, which it reads), before any piece is restored. The restores, each where
     its layout is restored: `at_fit(learn, tree)` as a resumed fit starts, `at_epoch(learn, tree, at_save,
     k)` as its epoch starts `k` batches in, `at_end(learn, end)` as a skipped stage's end is restored."""
 
@@ -79,6 +80,7 @@ class Piece:
     optional: tuple = ()
     per_rank: bool = False
     agree: Callable | None = None
+    agree_loaded: bool = False
     at_fit: Callable | None = None
     at_epoch: Callable | None = None
     at_end: Callable | None = None
@@ -347,6 +349,7 @@ HYPERS = Piece(
     _hypers,
     lambda t, where: state.check_hypers(t["hypers"], f"{where}.hypers"),
     agree=_hypers_agree,
+    agree_loaded=True,
     at_fit=_restore_hypers,
 )
 

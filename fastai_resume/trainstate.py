@@ -180,12 +180,15 @@ def restore_fit(learn, sv: dict, source, model_state=None, opt_state=None) -> li
     before replaced it, the optimizer (again: a wrapper may have cleared it, as fine_tune's freeze
     does), then each piece restored at the fit's start (`Piece.at_fit`: the gradients, the
     hyper-parameters fit() has just reset, the Recorder, the callbacks), once every piece agrees with the
-    learner as the checkpoint made it (its optimizer's groups are the file's). Returns the printed rows of
+    learner: before anything changes (the same parameters frozen as at the save), or as the checkpoint's
+    optimizer state made it (its groups and hyper-parameters are the file's). Returns the printed rows of
     the finished epochs."""
-    put_state(learn, model_state, opt_state)
-    bad = _disagreement(CHECKPOINT, learn, sv)
-    if bad:
-        raise CheckpointError(f"{source}: {bad}")
+    for loaded in (False, True):  # what does not read the optimizer's state before anything changes
+        if loaded:
+            put_state(learn, model_state, opt_state)
+        bad = _disagreement([p for p in CHECKPOINT if p.agree_loaded == loaded], learn, sv)
+        if bad:
+            raise CheckpointError(f"{source}: {bad}")
     for p in CHECKPOINT:
         if p.at_fit is not None:
             p.at_fit(learn, sv)
