@@ -8,6 +8,8 @@ each module imports only those listed before it (`tests/test_layering.py` checks
 imports too), and only io imports the C core.
 
     _core (csrc/), io.py   the checkpoint format (pickle-free, verified, atomic); the walk of a value tree
+    fields.py              the validation kit: checks of a file's values that name the field they refuse
+    pth.py                 a torch.save file (a vanilla fastai .pth) read without running code from it
     _hooks.py              code run when a module is imported (the patches wait for fastai's)
     paths.py               where a name's file is
     stored.py              a checkpoint on disk, a file or a folder: exists, size, removal; temporary files
@@ -16,7 +18,8 @@ imports too), and only io imports the C core.
     state.py, loaders.py,  pieces of the training state: RNG, Recorder, hidden state, gradients;
     trackers.py,           each DataLoader's iteration state and the skip of k batches; the
     callbacks.py           callbacks' state (TensorBoard's and W&B's, fastai's, the user's hooks)
-    trainstate.py          the checkpoint's training state: version, capture, validation, restore
+    pieces.py              the training state as a table of pieces, each captured, checked, restored
+    trainstate.py          a checkpoint's training state and a stage's end, built by walking the tables
     script.py              what is known about one learner's script (and the hooks that act on it)
     frozen.py              what a checkpoint holds of a model: what trains, the frozen rest by fingerprint
     checkpoint.py          the Learner checkpoint: tree, commit, read, load into the learner
@@ -29,6 +32,7 @@ imports too), and only io imports the C core.
     between.py, stages.py  the script's stages, their end states and what it does between them
     session.py             one fit's resume: its callback, position (at another world size too), skip, restore
     objstore.py            object storage (fsspec): checked transfers, markers; `learn.load(url)`
+    lease.py               one run's lease on its remote folder: which process may write there
     remote.py              one run's checkpoints mirrored to object storage, resumed from it elsewhere
     runfolder.py,          AutoCheckpoint: a run's files (names, lock, retention); when to save,
     autosave.py            autoresume, preemption, the remote mirror
@@ -75,12 +79,16 @@ _SUBMODULES = {
     "checkpoint",
     "dcp",
     "dist",
+    "fields",
     "fsdp",
     "frozen",
+    "lease",
     "loaders",
     "objstore",
     "patches",
     "paths",
+    "pieces",
+    "pth",
     "remote",
     "runfolder",
     "script",

@@ -34,17 +34,15 @@ import re
 import stat
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
-from . import checkpoint, dcp, io, objstore, shardfiles, stored
+from . import checkpoint, dcp, io, objstore, pth, shardfiles, stored
 from .check import check
 from .io import CheckpointError
 from .paths import MANIFEST
 from .state import plain
 
 _MAGIC_LEN = 8  # the format's magic bytes (docs/FORMAT.md): a shorter file can only be a cut checkpoint
-_ZIP = b"PK\x03\x04"  # torch.save's format (since torch 1.6), so every vanilla fastai .pth
 
 
 class Failure(Exception):
@@ -74,7 +72,7 @@ def _claims_format(head: bytes, size: int) -> bool:
 
 
 def _not_ours(head: bytes) -> str:
-    if head.startswith(_ZIP):
+    if head.startswith(pth.ZIP):
         return (
             "a torch.save file (such as a vanilla fastai .pth), not a fastai_resume checkpoint "
             "(`fastai-resume convert` turns one into the other)"
@@ -85,8 +83,6 @@ def _not_ours(head: bytes) -> str:
 def _reason(e: Exception, path) -> str:
     "An error's message without the path it starts with (the caller names the file)."
     msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-    if "WeightsUnpickler error:" in msg:
-        msg = msg.split("WeightsUnpickler error:", 1)[1]  # torch's own words
     msg = next((line.strip() for line in msg.splitlines() if line.strip()), type(e).__name__)
     for lead in (f"{path}: ", f"{path} "):
         if msg.startswith(lead):
@@ -354,61 +350,6 @@ def _write_atomically(write, dst: Path):
         raise
 
 
-def _vanilla_globals():
-    """What fastai's own .pth files hold besides tensors and containers: NumPy scalars (an
-    Optimizer's hyper-parameters), their dtypes, and fastcore's `L`. Nothing else is unpickled."""
-    import numpy as np
-    from fastcore.foundation import L
-
-    scalar = np.float64(0).__reduce__()[0]  # NumPy's scalar reconstructor, found by the public pickle protocol
-    # files written under NumPy 2 name it numpy._core..., under NumPy 1 numpy.core...
-    return [
-        (scalar, "numpy._core.multiarray.scalar"),
-        (scalar, "numpy.core.multiarray.scalar"),
-        np.dtype,
-        L,
-        *(getattr(np.dtypes, d) for d in np.dtypes.__all__),
-    ]  # the classes of the dtypes unpickled
-
-
-def _load_vanilla(src: Path, head: bytes):
-    "The state dict(s) in a torch.save file, loaded without running code from it."
-    import torch
-
-    allowed = _vanilla_globals()
-    if head.startswith(_ZIP):
-        names = {n for x in allowed for n in ([x[1]] if isinstance(x, tuple) else [f"{x.__module__}.{x.__qualname__}"])}
-        try:
-            found = torch.serialization.get_unsafe_globals_in_checkpoint(src)
-        except Exception as e:  # a damaged zip: torch raises what its parser meets
-            raise Failure(f"{src}: a damaged torch.save file ({_reason(e, src)})") from None
-        other = sorted(set(found) - names)
-        if other:
-            raise Failure(
-                f"{src}: holds {', '.join(other)}, not only tensors and fastai's optimizer state; "
-                "not loaded (convert never runs code from a file)"
-            )
-    try:  # (torch warns about pickle protocols it may not read: the error, if any, says what matters)
-        with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            st = torch.load(src, map_location="cpu", weights_only=True)
-    except Exception as e:  # whatever torch's unpickler meets in a file that is not one of its own
-        if not head.startswith(_ZIP):
-            raise Failure(f"{src}: neither a fastai_resume checkpoint (no magic bytes) nor a torch.save file") from None
-        raise Failure(f"{src}: a torch.save file that torch.load cannot read safely ({_reason(e, src)})") from None
-    model, opt = (st["model"], st["opt"]) if isinstance(st, dict) and set(st) == {"model", "opt"} else (st, None)
-    if not (
-        isinstance(model, dict)
-        and model
-        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())
-    ):
-        raise Failure(
-            f"{src}: a torch.save file, but not a fastai model: expected a state dict, "
-            "or {'model': state dict, 'opt': ...} as learn.save writes"
-        )
-    return model, opt
-
-
 def _source(src: Path, head: bytes | None, size: int) -> tuple:
     "What `convert` reads: (model state dict, optimizer state or None, what it is)."
     if src.is_dir():
@@ -441,7 +382,7 @@ def _source(src: Path, head: bytes | None, size: int) -> tuple:
                 "fastai_resume.make_full(learn, src, dst), or learn.save(name, with_iter=True, full=True)"
             )
         return tree["model"], tree.get("opt"), "a fastai_resume checkpoint"
-    model, opt = _load_vanilla(src, head or b"")
+    model, opt = pth.read(src, head or b"")
     return model, opt, "a torch.save file"
 
 

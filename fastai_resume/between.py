@@ -312,7 +312,7 @@ def _restore(learn, sc, st) -> None:
                 end = tree.get("end")
                 if not isinstance(end, dict) or end.get("token") != ref["token"]:
                     raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")
-                trainstate.validate_end(end, path, len(list(learn.model.parameters())))
+                trainstate.validate_end(end, path, learn)
                 # (nothing changed the frozen parameters since the skipped stage began and took their fingerprints)
                 dev = getattr(learn.dls, "device", None)
                 checkpoint.load_tree(learn, path, tree, dev, True, True, known=sc.base)

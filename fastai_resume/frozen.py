@@ -37,6 +37,7 @@ import os
 import torch
 
 from . import dist, io
+from .fields import is_int, need, refused
 from .io import CheckpointError
 from .script import script
 
@@ -158,30 +159,36 @@ def validate(tree, path) -> None:
     refs = tree.get("frozen")
     if refs is None:
         return
-    if not isinstance(refs, dict):
-        raise CheckpointError(f"{path}: 'frozen' is a {type(refs).__name__}, expected a dict")
-    for k, f in refs.items():
-        where = f"{path}: frozen[{k!r:.80}]"
-        if not isinstance(k, str) or not isinstance(f, dict) or set(f) != {"crc", "shape", "dtype"}:
-            raise CheckpointError(f"{where}: expected a name and {{crc, shape, dtype}}")
-        crc, shape, dtype = f["crc"], f["shape"], f["dtype"]
-        if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 1 << 32:
-            raise CheckpointError(f"{where}.crc: expected a 32-bit checksum, got {crc!r:.40}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > _MAX_NDIM
-            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 63 for n in shape)
-        ):
-            raise CheckpointError(f"{where}.shape: expected a list of at most {_MAX_NDIM} sizes, got {shape!r:.60}")
-        if dtype not in _DTYPES:
-            raise CheckpointError(f"{where}.dtype: {dtype!r:.40} is not a torch dtype")
-        n = io.TORCH_DTYPE_SIZE[dtype]
-        for d in shape:
-            n *= d
-            if n >= 1 << 63:
-                raise CheckpointError(f"{where}.shape: {shape!r:.60} is more than 2^63 bytes")
-        if k in tree["model"]:
-            raise CheckpointError(f"{where}: also held in 'model' (a tensor is either held or referenced)")
+    with refused(f"{path}: "):
+        need(isinstance(refs, dict), "", f"'frozen' is a {type(refs).__name__}, expected a dict")
+        for k, f in refs.items():
+            _check_ref(k, f, f"frozen[{k!r:.80}]")
+            need(
+                k not in tree["model"],
+                f"frozen[{k!r:.80}]",
+                "also held in 'model' (a tensor is either held or referenced)",
+            )
+
+
+def _check_ref(k, f, where: str) -> None:
+    "One frozen tensor's reference: its name, CRC32C, shape and dtype, of a size the format can hold."
+    need(
+        isinstance(k, str) and isinstance(f, dict) and set(f) == {"crc", "shape", "dtype"},
+        where,
+        "expected a name and {crc, shape, dtype}",
+    )
+    crc, shape, dtype = f["crc"], f["shape"], f["dtype"]
+    need(is_int(crc) and crc < 1 << 32, f"{where}.crc", f"expected a 32-bit checksum, got {crc!r:.40}")
+    need(
+        isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(is_int(n) and n < 1 << 63 for n in shape),
+        f"{where}.shape",
+        f"expected a list of at most {_MAX_NDIM} sizes, got {shape!r:.60}",
+    )
+    need(dtype in _DTYPES, f"{where}.dtype", f"{dtype!r:.40} is not a torch dtype")
+    n = io.TORCH_DTYPE_SIZE[dtype]
+    for d in shape:
+        n *= d
+        need(n < 1 << 63, f"{where}.shape", f"{shape!r:.60} is more than 2^63 bytes")
 
 
 _MAX_NDIM = 32  # the format's own bound on a tensor's dimensions (csrc/frk.h: FRK_MAX_NDIM)

@@ -28,11 +28,14 @@ import torch
 
 from .dist import is_distributed_dl, unwrap_dl
 from .fastai_classes import is_a
+from .fields import a_dict, a_list, a_tensor, need
+from .state import check_py_rng
 
 __all__ = [
     "call_hook_first",
     "capture",
     "restore",
+    "check_loader",
     "batch_size",
     "is_stream",
     "has_state",
@@ -333,3 +336,24 @@ class BatchSeeder:
             set_seed((base * 0x9E3779B1 + j * 0x85EBCA77 + 0x165667B1) % (1 << 32))
         self.n += 1
         return self.do_item(s)
+
+
+# ---- what a file's copy of a loader's state must be (`pieces` checks it before anything is restored) -------
+
+
+def check_loader(v, where) -> None:
+    "One DataLoader's iteration state (`loaders.capture`)."
+    v = a_dict(v, where, ("kind",))
+    need(v["kind"] in ("fastai", "torch", "other"), where, f"unknown loader kind {v['kind']!r:.20}")
+    if "rng" in v:
+        check_py_rng(v["rng"], f"{where}.rng")
+    if "order" in v:
+        order = a_list(v["order"], f"{where}.order")
+        need(
+            all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(order) for i in order)
+            and len(set(order)) == len(order),
+            f"{where}.order",
+            "not a permutation",
+        )
+    for i, g in enumerate(a_list(v.get("generators", []), f"{where}.generators")):
+        a_tensor(g, f"{where}.generators[{i}]", torch.uint8, 1)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from . import io, paths, stored
+from .fields import Bad, is_int, need, refused
 from .io import CheckpointError
 from .script import say
 
@@ -231,29 +232,26 @@ def plain_name(name) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
+def _sized(d, where: str) -> None:
+    "An entry of a marker: the size and CRC32C of one uploaded file."
+    need(isinstance(d, dict), where, "expected an object")
+    for k, hi in (("size", 1 << 62), ("crc32c", 1 << 32)):
+        need(is_int(d.get(k)) and d[k] < hi, f"{where}.{k}", f"expected an int in [0, {hi})")
+
+
 def parse_marker(raw: bytes, name: str, where: str) -> dict:
     "A marker's JSON, checked before a field of it is used (the remote is untrusted)."
-
-    def need(ok, what):
-        if not ok:
-            raise CheckpointError(f"{where}: malformed marker: {what}")
-
-    try:
-        m = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{where}: malformed marker: {e}") from None
-
-    def sized(d, what):
-        need(isinstance(d, dict), f"{what}: expected an object")
-        for k, hi in (("size", 1 << 62), ("crc32c", 1 << 32)):
-            need(isinstance(d.get(k), int) and not isinstance(d[k], bool) and 0 <= d[k] < hi, f"{what}.{k}")
-
-    sized(m, "marker")
-    need(m.get("name") == name, f"name {m.get('name')!r}, expected {name!r}")
-    need(isinstance(m.get("ends"), list), "ends: expected a list")
-    for i, end in enumerate(m["ends"]):
-        sized(end, f"ends[{i}]")
-        need(plain_name(end.get("file")) and plain_name(end.get("key")), f"ends[{i}]: a plain file name")
+    with refused(f"{where}: malformed marker: "):
+        try:
+            m = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise Bad(str(e)) from None
+        _sized(m, "marker")
+        need(m.get("name") == name, "marker.name", f"{m.get('name')!r}, expected {name!r}")
+        need(isinstance(m.get("ends"), list), "marker.ends", "expected a list")
+        for i, end in enumerate(m["ends"]):
+            _sized(end, f"marker.ends[{i}]")
+            need(plain_name(end.get("file")) and plain_name(end.get("key")), f"marker.ends[{i}]", "a plain file name")
     return m
 
 

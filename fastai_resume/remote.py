@@ -23,7 +23,7 @@ backoff while the remote fails, then applies `keep` there (the marker of a stale
 and only after a newer one is complete). Training never waits for it, but at the end of the process
 (a normal end, an exception, a SIGTERM's exit), which waits up to `wait` seconds for the newest
 checkpoint to be mirrored. What it says (behind, caught up, given up) is said in the training thread.
-The transfers, markers and names it uses are `objstore`'s.
+The transfers, markers and names it uses are `objstore`'s; the lease, `lease`'s.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ import contextlib
 import json
 import os
 import posixpath
-import secrets
-import socket
 import sys
 import threading
 import time
@@ -42,6 +40,8 @@ from pathlib import Path
 
 from . import io, stored
 from .io import CheckpointError
+from .lease import RENEW, Lease, Notices, machine
+from .lease import Lost as _Lost  # (`_Lost`: the name tests and the threads here catch)
 from .objstore import (
     CORRUPT,
     END_KEY,
@@ -67,47 +67,10 @@ from .script import say
 
 __all__ = ["Mirror", "mirror_for", "RENEW"]
 
-RENEW = 15.0  # seconds between two renewals of the run's lease
-
 
 def _age(seconds: float) -> str:
     s = int(seconds)
     return f"{s} s" if s < 120 else f"{s // 60} min {s % 60} s" if s < 7200 else f"{s // 3600} h {s % 3600 // 60} min"
-
-
-# ---- one run's mirror ---------------------------------------------------------------------------
-
-
-def _machine() -> str:
-    "This machine (and pid namespace): where a lock's process id can be looked up."
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        boot, ns = "?", 0
-    return f"{socket.gethostname()} {boot} {ns}"
-
-
-class _Lost(Exception):
-    "Another process holds the run's lease: this mirror stops."
-
-
-class Notices:
-    "What the background threads have to say, kept to be said in the training thread (`Uploader.say_due`)."
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.pending: list = []
-
-    def post(self, msg: str) -> None:
-        with self.lock:
-            self.pending.append(msg)
-
-    def take(self) -> list:
-        with self.lock:
-            out, self.pending = self.pending, []
-        return out
 
 
 class RemoteRun:
@@ -194,129 +157,6 @@ class RemoteRun:
             self.fs.rm_file(self.key(name + MARKER))
 
 
-class Lease:
-    """The run's lease on the remote (`.<fname>-<run>.lock`): taken at the start (`take`), renewed every
-    `RENEW` seconds by a thread, checked (`fence`) before each write that removes or replaces a checkpoint's
-    object, released at the end. `lost`: what to say once another process took it (this one mirrors no more)."""
-
-    def __init__(self, run: RemoteRun, fname: str, run_id: str, notices: Notices):
-        self.fs, self.url = run.fs, run.url
-        self.lock_name = f".{fname}-{run_id}.lock"
-        self.path = run.key(self.lock_name)
-        self.token = secrets.token_hex(8)
-        self.notices = notices
-        self.beat = 0
-        self.lost: str | None = None
-        self.lost_lock = threading.Lock()  # the renewals and the uploads both fence: `lost` is said once
-        self.ended = threading.Event()  # the process's end, or the lease lost: no more renewals
-        self.thread = threading.Thread(target=self._renew_loop, name="fastai_resume-remote", daemon=True)
-
-    def read(self):
-        try:
-            raw = self.fs.cat_file(self.path)
-        except FileNotFoundError:
-            return None
-        try:
-            held = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return {"token": None, "raw": raw}
-        return held if isinstance(held, dict) else {"token": None, "raw": raw}
-
-    def write(self):
-        self.beat += 1
-        body = {
-            "token": self.token,
-            "pid": os.getpid(),
-            "machine": _machine(),
-            "beat": self.beat,
-            "renew_seconds": RENEW,
-        }
-        put_whole(self.fs, self.path, json.dumps(body).encode())
-
-    def _holder(self, held) -> str:
-        return f"process {held.get('pid')} on {str(held.get('machine', '?')).split(' ')[0]}"
-
-    def take(self):
-        held = self.read()
-        if held is not None and held.get("token") != self.token:
-            if held.get("machine") == _machine():
-                if stored.alive(held.get("pid")):
-                    raise RuntimeError(
-                        f"AutoCheckpoint: {self._holder(held)} is already mirroring this run to {self.url} (lock "
-                        f"{self.lock_name}); two processes writing one run's checkpoints would delete each other's "
-                        "files. Stop the other one, or give this one another fname or remote."
-                    )
-            else:
-                renew = held.get("renew_seconds")
-                renew = float(renew) if isinstance(renew, (int, float)) and 0 < renew <= 3600 else RENEW
-                limit = 4 * renew
-                print(
-                    f"AutoCheckpoint: {self.url} is held by {self._holder(held)} (lock {self.lock_name}); waiting up "
-                    f"to {limit:.0f} s to see whether it still renews it (a lost machine does not)",
-                    flush=True,
-                )
-                t0 = time.monotonic()
-                while time.monotonic() - t0 < limit:
-                    time.sleep(min(1.0, renew / 4))
-                    now = self.read()
-                    if now != held:
-                        raise RuntimeError(
-                            f"AutoCheckpoint: {self._holder(now or held)} is mirroring this run to {self.url} (it "
-                            f"renewed the lock {self.lock_name} just now); two machines writing one run's checkpoints "
-                            "would delete each other's files. Stop the other one, or give this one another remote."
-                        )
-                print(f"AutoCheckpoint: {self._holder(held)} has not renewed its lock for {limit:.0f} s: taken over")
-        self.write()
-        time.sleep(1.0)  # two machines taking a free lease at once: the one written last wins, the other sees it
-        now = self.read()
-        if now is None or now.get("token") != self.token:
-            raise RuntimeError(
-                f"AutoCheckpoint: {self._holder(now or {})} took the lock {self.lock_name} of {self.url} at the same "
-                "time as this process; two machines writing one run's checkpoints would delete each other's files."
-            )
-
-    def fence(self):
-        "Raises `_Lost` (and this mirror stops) if another process holds the lease now."
-        held = self.read()
-        if held is None:  # removed (by hand): nobody else holds it
-            return self.write()
-        if held.get("token") != self.token:
-            with self.lost_lock:
-                if self.lost is None:
-                    self.lost = (
-                        f"AutoCheckpoint: the lock {self.lock_name} of {self.url} is held by {self._holder(held)} now "
-                        "(this process did not renew it in time: the remote was unreachable): this process no longer "
-                        "mirrors the run (its local checkpoints go on), so as not to delete the other one's files"
-                    )
-                    self.notices.post(self.lost)
-            self.ended.set()
-            raise _Lost(self.lost)
-
-    def _renew_loop(self):
-        while not self.ended.wait(RENEW):
-            try:
-                self.fence()
-                self.write()
-            except _Lost:
-                return
-            except Exception:
-                pass  # unreachable: the upload thread says so; the lease lapses if it stays so
-
-    def stop(self) -> None:
-        "The process's end: no more renewals (one under way ends first, so that `release` is the last write)."
-        self.ended.set()
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(timeout=RENEW)
-
-    def release(self) -> None:
-        "Removes the lock if this process still holds it."
-        if self.lost is None:
-            with contextlib.suppress(Exception):
-                held = self.read()
-                if held is not None and held.get("token") == self.token:
-                    self.fs.rm_file(self.path)
-
-
 class Publisher:
     """What a checkpoint is on the remote: its bytes and the stage-end files it names, checked against what
     was sent, then its marker; the newest `keep` kept there, and what killed uploads left removed. A write
@@ -347,7 +187,7 @@ class Publisher:
         if int(self.fs.info(key(name))["size"]) != size or remote_crc(self.fs, key(name), size) != crc:
             raise CheckpointError(f"{self.url}{name}: the remote copy read back differs from what was sent")
         marker = {"name": name, "size": size, "crc32c": crc, "ends": [e for e in ends if e is not None]}
-        marker.update(uploaded=time.time(), machine=_machine().split(" ")[0], pid=os.getpid())
+        marker.update(uploaded=time.time(), machine=machine().split(" ")[0], pid=os.getpid())
         self.lease.fence()
         put_whole(self.fs, key(name + MARKER), json.dumps(marker).encode())
         try:  # the checkpoint is complete there now: what follows tidies, and the next upload does it again

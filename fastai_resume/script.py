@@ -20,10 +20,10 @@ STAGE_BEGIN_HOOKS: list = []  # `hook(learn, stage)` as a stage begins: `fastai-
 DISARM_HOOKS: list = []  # `hook(why)` when an armed resume is cancelled: `fastai-resume check`
 
 
-def say(msg: str) -> None:
-    """What the operator must hear even where warnings are filtered out: a warning (pointing at the caller's
-    caller) and a printed line. AutoCheckpoint's and the remote mirror's."""
-    warnings.warn(msg, stacklevel=3)
+def say(msg: str, stacklevel: int = 2) -> None:
+    """What the operator must hear even where warnings are filtered out: a warning and a printed line.
+    `stacklevel` counts as `warnings.warn` would from the caller (2: the warning points at the caller's caller)."""
+    warnings.warn(msg, stacklevel=stacklevel + 1)
     print(msg, flush=True)
 
 
@@ -88,8 +88,7 @@ class Script:
                 f"fastai_resume: {why}: the resume armed from {self.armed.path} is cancelled; the next training "
                 "call starts from the learner's current weights, not where the checkpoint was saved"
             )
-            print(msg)
-            warnings.warn(msg, stacklevel=3)
+            say(msg, stacklevel=3)
             for hook in DISARM_HOOKS:
                 hook(why)
         self.armed = None

@@ -8,7 +8,6 @@ another world size continues at the position counted in samples (`continue_at`).
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from fastai.callback.core import Callback
 from fastcore.foundation import L
 
 from . import callbacks, check, dist, frozen, io, loaders, state, trainstate
-from .script import Interrupted
+from .script import Interrupted, say
 from .stages import Stage
 
 __all__ = ["FitPlan", "EventFrames", "ResumeSession", "InBatchSave", "run_fit", "continue_at", "batches_per_rank"]
@@ -309,8 +308,7 @@ def continue_at(learn, train: dict, source, n_epoch: int) -> dict:
         "process's share of the data differs from the uninterrupted run's: the result is no longer the "
         "uninterrupted run's"
     )
-    print(msg, flush=True)
-    warnings.warn(msg, stacklevel=3)
+    say(msg, stacklevel=3)
     return {**train, "position": moved, "ranks": None}
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, dist, io
+from .fields import Bad, is_int, need, refused
 from .io import CheckpointError
 from .paths import MANIFEST
 
@@ -44,19 +45,6 @@ def shard_name(rank: int, world: int, token: int) -> str:
 # ---- the manifest and each rank's file --------------------------------------------------------------
 
 
-class _Bad(Exception):
-    pass
-
-
-def _need(ok, what: str) -> None:
-    if not ok:
-        raise _Bad(what)
-
-
-def _is_int(v, lo=0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
 def read_manifest(path, mf: Path | None = None) -> dict:
     "The manifest of the sharded checkpoint `path` (or the file `mf`), validated (its shard files are not opened)."
     p = Path(path)
@@ -67,71 +55,74 @@ def read_manifest(path, mf: Path | None = None) -> dict:
             "file is committed first, the manifest last)" + (NOT_SHARED if dist.active() else "")
         )
     m = io.load(mf)
-    try:
-        _need(isinstance(m, dict) and _is_int(m.get("fastai_resume_sharded"), 1), "not a sharded checkpoint's manifest")
-        _need(
+    with refused(f"{mf}: malformed manifest: "):
+        need(
+            isinstance(m, dict) and is_int(m.get("fastai_resume_sharded"), 1), "", "not a sharded checkpoint's manifest"
+        )
+        need(
             m["fastai_resume_sharded"] <= SCHEMA,
+            "",
             f"written by a newer fastai_resume (manifest schema {m['fastai_resume_sharded']}): upgrade to read it",
         )
         n, token = m.get("world_size"), m.get("token")
-        _need(_is_int(n, 1) and n < 100000, "world_size: expected an int >= 1")
-        _need(_is_int(token, 1), "token: expected an int")
+        need(is_int(n, 1) and n < 100000, "world_size", "expected an int >= 1")
+        need(is_int(token, 1), "token", "expected an int")
         shards = m.get("shards")
-        _need(isinstance(shards, list) and len(shards) == n, f"shards: expected a list of {n}")
+        need(isinstance(shards, list) and len(shards) == n, "shards", f"expected a list of {n}")
         for r, s in enumerate(shards):
-            _need(
+            need(
                 isinstance(s, dict)
                 and s.get("rank") == r
                 and s.get("file") == shard_name(r, n, token)
-                and _is_int(s.get("size")),
-                f"shards[{r}]: expected rank {r}, file {shard_name(r, n, token)} and its size",
+                and is_int(s.get("size")),
+                f"shards[{r}]",
+                f"expected rank {r}, file {shard_name(r, n, token)} and its size",
             )
-        _need(m.get("position") is None or isinstance(m["position"], dict), "position: expected a dict or None")
-    except _Bad as e:
-        raise CheckpointError(f"{mf}: malformed manifest: {e}") from None
+        need(m.get("position") is None or isinstance(m["position"], dict), "position", "expected a dict or None")
     return m
 
 
 def _check_shard_meta(tree, path, manifest, rank) -> list:
     "Raise unless the rank file `path` belongs to this manifest as rank `rank`; its DTensor entries."
-    where = f"{path}: "
-    try:
-        _need(isinstance(tree, dict) and isinstance(tree.get("shard"), dict), "no 'shard' part: not a rank's file")
+    with refused(f"{path}: "):
+        need(isinstance(tree, dict) and isinstance(tree.get("shard"), dict), "", "no 'shard' part: not a rank's file")
         sh = tree["shard"]
-        _need(
+        need(
             sh.get("rank") == rank
             and sh.get("world_size") == manifest["world_size"]
             and sh.get("token") == manifest["token"],
+            "",
             f"written as rank {sh.get('rank')} of {sh.get('world_size')} by save {sh.get('token')!r}, "
             f"the manifest wants rank {rank} of {manifest['world_size']} of save {manifest['token']}",
         )
         entries = sh.get("dtensors")
-        _need(isinstance(entries, list), "shard.dtensors: expected a list")
+        need(isinstance(entries, list), "shard.dtensors", "expected a list")
         for i, e in enumerate(entries):
             at = f"shard.dtensors[{i}]"
-            _need(isinstance(e, dict), f"{at}: expected a dict")
+            need(isinstance(e, dict), at, "expected a dict")
             pth, shp, off, pl, mesh = (e.get(k) for k in ("path", "shape", "offset", "placements", "mesh"))
-            _need(
+            need(
                 isinstance(pth, list) and pth and all(isinstance(k, (str, int)) for k in pth),
-                f"{at}.path: expected a list of keys",
+                f"{at}.path",
+                "expected a list of keys",
             )
-            _need(isinstance(shp, list) and all(_is_int(x) for x in shp), f"{at}.shape: expected ints")
-            _need(
-                isinstance(off, list) and len(off) == len(shp) and all(_is_int(x) for x in off),
-                f"{at}.offset: expected {len(shp)} ints",
+            need(isinstance(shp, list) and all(is_int(x) for x in shp), f"{at}.shape", "expected ints")
+            need(
+                isinstance(off, list) and len(off) == len(shp) and all(is_int(x) for x in off),
+                f"{at}.offset",
+                f"expected {len(shp)} ints",
             )
-            _need(isinstance(mesh, list) and mesh and all(_is_int(x, 1) for x in mesh), f"{at}.mesh: expected ints")
-            _need(
+            need(isinstance(mesh, list) and mesh and all(is_int(x, 1) for x in mesh), f"{at}.mesh", "expected ints")
+            need(
                 isinstance(pl, list)
                 and len(pl) == len(mesh)
                 and all(
-                    p == ["replicate"] or (isinstance(p, list) and len(p) == 2 and p[0] == "shard" and _is_int(p[1]))
+                    p == ["replicate"] or (isinstance(p, list) and len(p) == 2 and p[0] == "shard" and is_int(p[1]))
                     for p in pl
                 ),
-                f"{at}.placements: expected ['shard', dim] or ['replicate'] per mesh dimension",
+                f"{at}.placements",
+                "expected ['shard', dim] or ['replicate'] per mesh dimension",
             )
-    except _Bad as e:
-        raise CheckpointError(where + str(e)) from None
     return entries
 
 
@@ -411,16 +402,16 @@ def _file_row(path: Path, m: dict, s: dict, verify: bool):
     row: dict = {"rank": s["rank"], "file": s["file"], "size": s["size"], "problem": None, "chunks": []}
     try:
         if not f.is_file():
-            raise _Bad(MISSING)
+            raise Bad(MISSING)
         if f.stat().st_size != s["size"]:
-            raise _Bad(f"has {f.stat().st_size:,} bytes, the manifest says {s['size']:,}")
+            raise Bad(f"has {f.stat().st_size:,} bytes, the manifest says {s['size']:,}")
         info = io.info(f, verify=False)
         tree = io.stand_ins(info["tree"])
         entries = _check_shard_meta(tree, f, m, s["rank"])
         checkpoint.check({k: v for k, v in tree.items() if k != "shard"}, f)
         if verify:
             io.info(f, verify=True)
-    except _Bad as e:
+    except Bad as e:
         row["problem"] = str(e)
         return row, None, []
     except (CheckpointError, OSError) as e:

@@ -1,6 +1,7 @@
 """Pieces of the training state that decide what the next step computes, as plain trees, and back:
-RNG states, the Recorder, the hidden state of recurrent models, the gradients. (Loaders' state is in
-`loaders`, callbacks' in `callbacks`; `trainstate` assembles the checkpoint's training tree.)
+RNG states, the Recorder, the hidden state of recurrent models, the gradients, the hyper-parameters, the
+learner's counters; and what a file's copy of each must be (`check_*`, with `fields`). (Loaders' state is
+in `loaders`, callbacks' in `callbacks`; `pieces` makes them the table of pieces `trainstate` walks.)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from fastcore.foundation import L
 
 from .fastai_classes import is_a
+from .fields import a_dict, a_list, a_number, a_tensor, an_int, need
 from .io import CheckpointError, map_tree
 
 __all__ = [
@@ -32,6 +34,17 @@ __all__ = [
     "set_grads",
     "opt_state_for",
     "print_row",
+    "hyper_kind",
+    "pending_grads",
+    "learner_counters",
+    "set_learner_counters",
+    "check_hypers",
+    "check_py_rng",
+    "check_rng",
+    "check_recorder",
+    "check_modules",
+    "recorder_numbers",
+    "set_recorder_numbers",
 ]
 
 
@@ -344,3 +357,191 @@ def print_row(learn, row) -> None:
     while is_a(getattr(logger, "__self__", None), "fastai.callback.progress", "CSVLogger"):
         logger = logger.__self__.old_logger
     logger(row)
+
+
+# ---- the optimizer's hyper-parameters, pending gradients, the learner's counters (`pieces`) ---------------
+
+
+def hyper_kind(v) -> str:
+    "What a hyper-parameter's value is, for comparing a saved one with the optimizer's own."
+    if v is None or isinstance(v, (bool, str)):
+        return type(v).__name__
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, (list, tuple)):
+        return f"sequence of {len(v)}"
+    return type(v).__name__
+
+
+def pending_grads(model):
+    """The parameters' gradients if any is non-zero (accumulation in progress), else None. A sharded
+    gradient (a DTensor) is judged by this rank's part: its `any()` would be a collective, and each rank
+    saves its own."""
+    grads = [p.grad for p in model.parameters()]
+    if not any(g is not None and bool((g.to_local() if hasattr(g, "to_local") else g).any()) for g in grads):
+        return None
+    return [None if g is None else g.detach() for g in grads]
+
+
+def check_hypers(v, where) -> None:
+    "The optimizer's hyper-parameters, per parameter group: numbers (or lists of them) and flags."
+    for i, h in enumerate(a_list(v, where)):
+        for k, x in a_dict(h, f"{where}[{i}]").items():
+            at = f"{where}[{i}][{k!r}]"
+            need(isinstance(k, str), at, "expected a str key")
+            if isinstance(x, (list, tuple)):
+                for y in x:
+                    a_number(y, at)
+            else:  # numbers, and the flags torch's optimizers keep (foreach=None, maximize=False, ...)
+                need(
+                    x is None or isinstance(x, (bool, int, float, str)),
+                    at,
+                    f"expected a number, a flag or None, got {type(x).__name__}",
+                )
+
+
+def learner_counters(learn) -> dict:
+    "The learner's own counters and last numbers, as fastai leaves them after a fit (a stage's end keeps them)."
+    out: dict = {}
+    for k in ("epoch", "n_epoch", "iter", "n_iter", "train_iter"):
+        v = learn.__dict__.get(k)
+        if isinstance(v, int) and not isinstance(v, bool):
+            out[k] = v
+    if isinstance(learn.__dict__.get("pct_train"), (int, float)):
+        out["pct_train"] = float(learn.pct_train)
+    fr = learn.__dict__.get("final_record")
+    if fr is not None:
+        out["final_record"] = plain(list(fr))
+    sl = learn.__dict__.get("smooth_loss")
+    if isinstance(sl, torch.Tensor):
+        out["smooth_loss"] = sl.detach().clone()
+    return out
+
+
+_COUNTERS = {"epoch": int, "n_epoch": int, "iter": int, "n_iter": int, "train_iter": int, "pct_train": float}
+
+
+def set_learner_counters(learn, counters: dict) -> None:
+    "Only what has the expected kind is set (a file's other keys are ignored, never set on the learner)."
+    for k, v in counters.items():
+        if k == "final_record" and isinstance(v, list):
+            learn.final_record = L(v)
+        elif k == "smooth_loss" and isinstance(v, torch.Tensor) and v.dim() == 0:
+            learn.smooth_loss = v
+        elif isinstance(v, _COUNTERS.get(k, ())) and not isinstance(v, bool):
+            setattr(learn, k, v)
+
+
+# ---- what a file's copy of them must be (`pieces` checks it before anything is restored) ----------------
+
+
+def check_py_rng(v, where) -> None:
+    "Python's RNG state (`random.getstate()`, as a list)."
+    v = a_list(v, where)
+    need(
+        len(v) == 3
+        and isinstance(v[0], int)
+        and isinstance(v[1], (list, tuple))
+        and len(v[1]) == 625
+        and all(isinstance(x, int) and 0 <= x < 1 << 32 for x in v[1][:624])
+        and (v[2] is None or isinstance(v[2], float)),
+        where,
+        "not a Python RNG state",
+    )
+
+
+def check_rng(v, where) -> None:
+    "An RNG state (`state.rng_state`): Python's, NumPy's, torch's and each CUDA device's."
+    v = a_dict(v, where, ("python", "numpy", "torch"))
+    check_py_rng(v["python"], f"{where}.python")
+    n = a_list(v["numpy"], f"{where}.numpy")
+    need(
+        len(n) == 5
+        and n[0] == "MT19937"
+        and isinstance(n[1], np.ndarray)
+        and n[1].dtype == np.uint32
+        and n[1].shape == (624,)
+        and isinstance(n[2], int)
+        and 0 <= n[2] <= 624
+        and isinstance(n[3], int)
+        and isinstance(n[4], float),
+        f"{where}.numpy",
+        "not a NumPy RNG state",
+    )
+    a_tensor(v["torch"], f"{where}.torch", torch.uint8, 1)
+    for i, t in enumerate(a_list(v.get("cuda", []), f"{where}.cuda")):
+        a_tensor(t, f"{where}.cuda[{i}]", torch.uint8, 1)
+
+
+def _a_float_or_scalar(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) or isinstance(x, torch.Tensor) and x.dim() == 0
+
+
+def check_recorder(v, where) -> None:
+    "The Recorder's state (`state.recorder_state`), or None (a learner without one)."
+    if v is None:
+        return
+    v = a_dict(v, where, ("lrs", "iters", "losses", "values", "smooth_count", "smooth_val"))
+    if isinstance(v["lrs"], torch.Tensor):  # schema 3
+        a_tensor(v["lrs"], f"{where}.lrs", torch.float64, 1)
+    else:
+        for x in a_list(v["lrs"], f"{where}.lrs"):
+            a_number(x, f"{where}.lrs[]")
+    for x in a_list(v["iters"], f"{where}.iters"):
+        an_int(x, f"{where}.iters[]")
+    losses = v["losses"]
+    if isinstance(losses, torch.Tensor):
+        need(losses.dim() == 1 and losses.is_floating_point(), f"{where}.losses", "expected a 1-dim float tensor")
+    else:
+        for x in a_list(losses, f"{where}.losses"):
+            need(
+                isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.dim() == 0),
+                f"{where}.losses[]",
+                "expected a number",
+            )
+    for row in a_list(v["values"], f"{where}.values"):
+        for x in a_list(row, f"{where}.values[]"):
+            need(x is None or _a_float_or_scalar(x), f"{where}.values[]", "expected a number")
+    an_int(v["smooth_count"], f"{where}.smooth_count")
+    sv = v["smooth_val"]
+    need(
+        isinstance(sv, float) or isinstance(sv, torch.Tensor) and sv.dim() == 0 and sv.is_floating_point(),
+        f"{where}.smooth_val",
+        "expected a float",
+    )
+    for m in a_list(v.get("train_metrics", []), f"{where}.train_metrics"):
+        a_dict(m, f"{where}.train_metrics[]")
+
+
+def check_modules(v, where) -> None:
+    "The tensors a model keeps between batches outside its state dict (`state.module_states`), by module."
+    for name, m in a_dict(v, where).items():
+        at = f"{where}[{name!r}]"
+        if isinstance(m, dict) and "attrs" in m:  # a module's plain attributes: tensors, or lists of them
+            for k, x in a_dict(m["attrs"], f"{at}.attrs").items():
+                need(isinstance(k, str) and held(x), f"{at}.attrs", f"{k!r}: expected tensors, got {x!r:.60}")
+            continue
+        m = a_dict(m, at, ("hidden", "bs"))
+        an_int(m["bs"], f"{at}.bs")
+        a_list(m["hidden"], f"{at}.hidden")
+
+
+def recorder_numbers(rec) -> dict:
+    "The Recorder's per-epoch numbers (small): what a rerun has of a stage whose end state was not kept."
+    return {
+        "values": plain([list(v) for v in rec.values]),
+        "metric_names": [str(n) for n in getattr(rec, "metric_names", [])],
+    }
+
+
+def set_recorder_numbers(learn, v) -> None:
+    rec = getattr(learn, "recorder", None)
+    if rec is None or not isinstance(v, dict):
+        return
+    vals = v.get("values")
+    if not (isinstance(vals, list) and all(isinstance(r, list) for r in vals)):
+        raise CheckpointError("malformed training state: train.script.log[].result.values: expected a list of lists")
+    rec.values = [L(r) for r in vals]
+    rec.metric_names = L(v.get("metric_names") or [])
+    if rec.values:
+        learn.final_record = rec.values[-1].copy()
