@@ -9,6 +9,7 @@ import pickle
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -263,22 +264,27 @@ def test_the_fuzz_fails_when_load_accepts_a_state_that_then_fails_in_fit(mid_fit
 
 
 AUTO = """
-import sys, time
+import os, sys, time
 sys.path.insert(0, {tests!r})
 import fastai_resume
 from fastai.callback.core import Callback
 from trainer import build
 class Slow(Callback):
-    def after_batch(self): time.sleep({sleep})
+    def after_batch(self):
+        time.sleep({sleep})
+        if {hold!r} and os.path.exists({hold!r}):  # held mid-fit while that file exists, saying so
+            open({hold!r} + ".reached", "w").close()
+            while os.path.exists({hold!r}):
+                time.sleep(0.05)
 learn = build({path!r}, noise=False, extra_cbs=[fastai_resume.AutoCheckpoint(every_iters=10, keep=2), Slow()])
 with learn.no_bar(): learn.fit_one_cycle({epochs}, {lr})
 print("trained", len(learn.recorder.losses))
 """
 
 
-def auto(path, lr=1e-2, epochs=2, sleep=0.0, wait=True):
+def auto(path, lr=1e-2, epochs=2, sleep=0.0, wait=True, hold=""):
     code = AUTO.format(
-        tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), lr=lr, epochs=epochs, sleep=sleep
+        tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), lr=lr, epochs=epochs, sleep=sleep, hold=hold
     )
     p = subprocess.Popen(
         [sys.executable, "-c", code],
@@ -307,11 +313,14 @@ def test_autoresume_never_takes_or_deletes_another_runs_files(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_launch_on_the_same_run_is_refused_and_the_first_finishes(tmp_path):
-    first = auto(tmp_path, epochs=3, sleep=0.12, wait=False)  # long enough for the second to start
-    for line in first.stdout:
-        if line.startswith("fastai") or "epoch" in line or line.startswith("["):
-            break
+    hold = tmp_path / "hold"
+    hold.touch()
+    first = auto(tmp_path, epochs=3, wait=False, hold=str(hold))  # held after its first batch until the second ends
+    while not (tmp_path / "hold.reached").exists():
+        assert first.poll() is None, first.communicate()[0]
+        time.sleep(0.05)
     rc, out = auto(tmp_path, epochs=3)
+    hold.unlink()
     assert rc != 0 and "is already training this run" in out
     rest = first.communicate(timeout=900)[0]
     assert first.returncode == 0 and "trained 138" in rest, rest
