@@ -38,6 +38,9 @@ SCHEMA = 1  # the manifest's own version (its key `fastai_resume_sharded`)
 SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})-([0-9a-f]{16})\.frk$")
 
 
+MISSING = "is missing"  # what is wrong with a rank's file this disk lacks (`problems`, `verify`'s `Incomplete`)
+
+
 def shard_name(rank: int, world: int, token: int) -> str:
     return f"shard-{rank:05d}-of-{world:05d}-{token:016x}.frk"
 
@@ -180,7 +183,7 @@ def verify(path) -> None:
         return
     why = problem(p, verify=True)
     if why is not None:
-        raise (Incomplete if why.endswith(" is missing") else CheckpointError)(
+        raise (Incomplete if why.endswith(f" {MISSING}") else CheckpointError)(
             why if why.startswith(str(p)) else f"{p}: {why}"
         )
 
@@ -337,7 +340,7 @@ def open_folder(path: Path, base_rank: int | None = None, manifest: Path | None 
         f = path / s["file"]
         if not f.is_file():
             raise CheckpointError(
-                f"{path}: rank {s['rank']}'s file {s['file']} is missing: the checkpoint is incomplete"
+                f"{path}: rank {s['rank']}'s file {s['file']} {MISSING}: the checkpoint is incomplete"
                 + (NOT_SHARED if dist.active() else "")
             )
         if f.stat().st_size != s["size"]:
@@ -419,9 +422,6 @@ def _file_row(path: Path, m: dict, s: dict, verify: bool):
         row["problem"] = why[len(f"{f}: ") :] if why.startswith(f"{f}: ") else why
         return row, None, []
     return row, info, entries
-
-
-MISSING = "is missing"
 
 
 def problems(path, ranks, manifest: Path) -> list:
