@@ -7,18 +7,22 @@ tutorial recipe around it (`Learner`, `LMDataLoader`, `DropOutput`), a few batch
 its moments. Then, at one batch boundary inside the fit, interleaved in each round:
 
 - `ours`: `learn.save(name, with_iter=True)`: the trainable tensors, buffers, optimizer and training
-  state, the frozen base by fingerprint (one CRC32C pass over it), written atomically and durably
-  (fsync);
+  state, the frozen base by fingerprint, written atomically and durably (fsync). The base's pages are
+  still the safetensors file's (nothing wrote them), so its CRC32Cs are those read before
+  (`fastai_resume.provenance`): the save reads the kernel's page table, not the weights;
+- `ours unmapped`: the same where the base is not a file's pages (a copy: another dtype, a GPU): the
+  CRC32C pass reads every frozen byte;
 - `ours full`: the same with `full=True` (every tensor: what this package wrote before);
 - `trainer`: the files the Hugging Face Trainer's `_save_checkpoint` writes for a LoRA run, by the
   same calls: the adapter through `save_pretrained` (safetensors), the optimizer state, the RNG states
   through `torch.save`, `trainer_state.json` (no fsync: the Trainer makes none);
 - `trainer + fsync`: the same files, each fsynced (what a durable save adds).
 
-Also: what the fingerprint pass alone costs (in a save, in a resume's load, and as each stage begins: a
-resume pays the last two), against the base's `from_pretrained` load (the issue's target: the check at
-most 10% of it); what a background snapshot holds in memory (the tensors of the tree it copies), delta
-against full.
+Also: the fingerprints alone, both ways (`fingerprints`, `pass`); what a background snapshot holds in
+memory (the tensors of the tree it copies), delta against full; and what a resume adds, in a new
+process per round as a rerun meets it (`probe`: the base just loaded by `from_pretrained`), against
+that `from_pretrained` load (the issue's target: at most 10% of it): on this machine, and on one that
+never read the base (the folder of remembered CRCs not used).
 
     python bench/llm.py [--rounds 7] [--layers 12]
 """
@@ -27,9 +31,12 @@ import argparse
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
@@ -81,13 +88,8 @@ def tensor_bytes(tree) -> int:
     return 0
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder on the disk)")
-    a = ap.parse_args()
-
+def learner(base_dir, work):
+    "The tutorial's learner on the base as a user's script builds it: `from_pretrained`, LoRA, `Learner`."
     import fastai.callback.progress  # noqa: F401  (Learner.no_bar)
     import torch
     from fastai.callback.core import Callback
@@ -95,32 +97,94 @@ def main():
     from fastai.learner import Learner
     from fastai.losses import CrossEntropyLossFlat
     from fastai.text.data import LMDataLoader
-    from fastai.torch_core import set_seed
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+
+    class DropOutput(Callback):
+        def after_pred(self):
+            self.learn.pred = self.pred[0]
+
+    toks = torch.randint(0, model.config.vocab_size, (2 * 32 * 4 + 1,))
+    dls = DataLoaders(LMDataLoader([toks], bs=2, seq_len=32), LMDataLoader([toks], bs=2, seq_len=32), device="cpu")
+    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[DropOutput], path=work)
+
+
+def probe(work):
+    """What a resume adds, in a new process as a rerun meets it (the base just loaded by `from_pretrained`,
+    nothing trained yet): printed as JSON, seconds. On this machine (the regions' CRCs in the folder), then
+    as on one that never read the base (its replacement after a lost machine): the folder not used."""
+
+    from transformers import AutoModelForCausalLM
 
     import fastai_resume as fr
-    from fastai_resume import checkpoint, frozen
+    from fastai_resume import frozen, provenance
+
+    base_dir = os.path.join(work, "base")
+    AutoModelForCausalLM.from_pretrained(base_dir)  # (the first also imports the model's code)
+    loads = []
+    for _ in range(3):  # what the check is held against (warm: the file in the page cache)
+        t = time.perf_counter()
+        AutoModelForCausalLM.from_pretrained(base_dir)
+        loads.append(time.perf_counter() - t)
+    out = {"from_pretrained": statistics.median(loads)}
+    learn = learner(base_dir, work)
+    path = learn.path / learn.model_dir / f"ours{fr.EXT}"
+    tree = fr.load(path)
+    runs = {
+        "stage": lambda: frozen.stage_began(learn),  # AutoCheckpoint's: the stage's start, checked against
+        "hand": lambda: (frozen.not_yet(learn.model, tree), frozen.stage_began(learn)),  # `learn.load` atop
+        "check": lambda: frozen.check(learn.model, tree, path),  # a plain load's (resume=False)
+        "load": lambda: learn.load("ours", resume=False),  # the whole load of the delta file
+    }
+    for cold in (False, True):
+        for k, run in runs.items():
+            if cold and k == "load":
+                continue
+            took = []
+            for _ in range(5):  # (the first of each also runs its code's first time: imports)
+                provenance.forget()  # this process knows only the folder's
+                with mock.patch.dict(os.environ, {provenance.ENV: ""} if cold else {}):
+                    t = time.perf_counter()
+                    run()
+                    took.append(time.perf_counter() - t)
+            out[("cold " if cold else "") + k] = statistics.median(took)
+    print(json.dumps(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder on the disk)")
+    ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # (a resume's new process: `probe`)
+    a = ap.parse_args()
+    if a.probe:
+        return probe(a.probe)
+
+    from fastai.callback.core import Callback
+    from fastai.torch_core import set_seed
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fastai_resume as fr
+    from fastai_resume import checkpoint, frozen, provenance
+
+    def unmapped(run):
+        "`run` as where the frozen weights are not a file's pages (a copy, a GPU): the pass reads every byte."
+        with mock.patch.object(provenance, "keys", lambda tensors: {}):
+            return run()
 
     work = tempfile.mkdtemp(prefix="frk-llm-", dir=a.dir or os.path.join(HERE, ".."))
     try:
         set_seed(0)
         base_dir = os.path.join(work, "base")
         GPT2LMHeadModel(GPT2Config(n_layer=a.layers)).save_pretrained(base_dir)
-        loads = []
-        for _ in range(3):  # the base's from_pretrained load, warm (the file in the page cache)
-            t = time.perf_counter()
-            model = AutoModelForCausalLM.from_pretrained(base_dir)
-            loads.append(time.perf_counter() - t)
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], task_type="CAUSAL_LM"))
-
-        class DropOutput(Callback):
-            def after_pred(self):
-                self.learn.pred = self.pred[0]
-
-        toks = torch.randint(0, model.config.vocab_size, (2 * 32 * 4 + 1,))
-        dls = DataLoaders(LMDataLoader([toks], bs=2, seq_len=32), LMDataLoader([toks], bs=2, seq_len=32), device="cpu")
-        times: dict = {k: [] for k in ("ours", "ours full", "trainer", "trainer + fsync", "fingerprints")}
+        time.sleep(provenance._SETTLED_NS / 1e9)  # a base downloaded before the run, as users' are
+        learn = learner(base_dir, work)
+        names = ("ours", "ours unmapped", "ours full", "trainer", "trainer + fsync", "fingerprints", "pass")
+        times: dict = {k: [] for k in names}
         sizes: dict = {}
         snap: dict = {}
 
@@ -135,10 +199,12 @@ def main():
                 for r in range(a.rounds):
                     contenders = [
                         ("ours", lambda: learn.save("ours", with_iter=True)),
+                        ("ours unmapped", lambda: unmapped(lambda: learn.save("ours-u", with_iter=True))),
                         ("ours full", lambda: learn.save("full", with_iter=True, full=True)),
                         ("trainer", lambda: trainer_files(learn, os.path.join(work, "trainer"), False)),
                         ("trainer + fsync", lambda: trainer_files(learn, os.path.join(work, "trainer-s"), True)),
                         ("fingerprints", lambda: frozen.fingerprints(held)),
+                        ("pass", lambda: unmapped(lambda: frozen.fingerprints(held))),
                     ]
                     for name, run in contenders[r % len(contenders) :] + contenders[: r % len(contenders)]:
                         t = time.perf_counter()
@@ -154,26 +220,14 @@ def main():
                 snap["ours"] = tensor_bytes(checkpoint.build_tree(learn, with_iter=True))
                 snap["ours full"] = tensor_bytes(checkpoint.build_tree(learn, with_iter=True, full=True))
 
-        learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[DropOutput], path=work)
         with learn.no_bar(), learn.no_logging():
             learn.fit(1, 1e-3, cbs=Measure())
-
-        checks, armed, stage_bases, resumes = [], [], [], []
-        path = learn.path / learn.model_dir / f"ours{fr.EXT}"
-        tree = fr.load(path)
-        for _ in range(a.rounds):
-            t = time.perf_counter()
-            frozen.check(learn.model, tree, path)  # a plain load's (resume=False)
-            checks.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            frozen.not_yet(learn.model, tree)  # a load that arms a resume, at the top of a script
-            armed.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            frozen.stage_began(learn)  # what each stage's start costs (a resumed one's check is against it)
-            stage_bases.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            learn.load("ours", resume=False)
-            resumes.append(time.perf_counter() - t)
+        probes = []
+        for _ in range(a.rounds):  # each a new process, as a rerun is
+            run = subprocess.run([sys.executable, __file__, "--probe", work], capture_output=True, text=True)
+            if run.returncode:
+                sys.exit(run.stdout + run.stderr)
+            probes.append(json.loads(run.stdout.strip().splitlines()[-1]))
         machine = common.machine(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -188,11 +242,7 @@ def main():
             "bytes": sizes,
             "snapshot_bytes": snap,
             "save_s": {k: common.stats(v) for k, v in times.items()},
-            "check_s": common.stats(checks),
-            "armed_check_s": common.stats(armed),
-            "stage_base_s": common.stats(stage_bases),
-            "load_s": common.stats(resumes),
-            "from_pretrained_s": common.stats(loads),
+            "resume_s": {k: common.stats([p[k] for p in probes]) for k in probes[0]},
         },
     )
 

@@ -356,9 +356,12 @@ def sharded(model) -> bool:
     if model is None:
         return False
     fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
-    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
-        return True
-    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
+    kinds = (fsdp.FSDPModule,) if fsdp is not None else ()
+    dtensor = tensor.DTensor if tensor is not None else None
+    for m in model.modules():  # (one walk: a resume's checks call this on every stage's start)
+        if isinstance(m, kinds) or (dtensor and any(isinstance(p, dtensor) for p in m._parameters.values())):
+            return True
+    return False
 
 
 def is_distributed_dl(dl) -> bool:

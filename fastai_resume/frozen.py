@@ -15,8 +15,9 @@ script's first stage began with (the script's base: a rerun that passes earlier 
 states still builds that). Anything else is held in full: a frozen tensor changed in place (merge code,
 an EMA written into the base, a callback writing `.data`, fastai's optimizer stepping a once-trained
 frozen parameter that still has a zero gradient), or one an earlier stage trained. Each save
-fingerprints the frozen parameters again (one CRC32C pass, the hardware instruction on every core:
-`bench/llm.py` measures it).
+fingerprints the frozen parameters again: the CRC32C of a tensor whose pages are still those of a file
+it was mapped from (`transformers`' `from_pretrained`) is the one read before (`provenance`), the rest
+are read (one pass, the hardware instruction on every core; `bench/llm.py` measures both).
 
 A load checks the referenced tensors against the learner (`check`): another base, a missing or extra
 tensor, another shape or dtype is refused, naming the first tensor that differs. A load that arms a
@@ -36,7 +37,7 @@ import os
 
 import torch
 
-from . import dist, io
+from . import dist, io, provenance
 from .fields import is_int, need, refused
 from .io import CheckpointError
 from .script import script
@@ -73,15 +74,21 @@ def _materialized(t) -> bool:
 
 
 def fingerprints(tensors: dict) -> dict:
-    """`{name: {crc, shape, dtype}}` of `{name: tensor}`: the CRCs of CPU tensors on every core at once, a
-    device tensor's through a host copy of its own (one at a time); a tensor under several names (tied
+    """`{name: {crc, shape, dtype}}` of `{name: tensor}`: a CPU tensor whose bytes are a file region read
+    before takes that read's CRC (`provenance`), the other CPU tensors are read on every core at once, a
+    device tensor through a host copy of its own (one at a time); a tensor under several names (tied
     weights) is read once."""
     key = lambda t: (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)  # noqa: E731
     first: dict = {}
     for k, t in tensors.items():
         first.setdefault(key(t), k)
     cpu = [k for k in first.values() if tensors[k].device.type == "cpu"]
-    crcs = dict(zip(cpu, io.crc32c_many([_bytes(tensors[k]) for k in cpu], _THREADS)))
+    where = provenance.keys({k: tensors[k] for k in cpu})  # those whose bytes are a file's, unwritten
+    crcs = {k: c for k in cpu if (c := provenance.known(where.get(k))) is not None}
+    read = [k for k in cpu if k not in crcs]
+    crcs.update(zip(read, io.crc32c_many([_bytes(tensors[k]) for k in read], _THREADS)))
+    still = provenance.keys({k: tensors[k] for k in read if k in where})  # (nothing wrote them while read)
+    provenance.remember({where[k]: crcs[k] for k in still if still[k] == where[k]})
     for k in first.values():
         if k not in crcs:
             crcs[k] = io.crc32c_many([_bytes(tensors[k])], _THREADS)[0]

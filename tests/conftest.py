@@ -4,11 +4,15 @@ package's own warnings reach the tests."""
 
 import os
 import sys
+import tempfile
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
+# the CRC32Cs of base files read (fastai_resume.provenance): a folder of this session's (each worker's), every
+# script the tests start writes there, none in the user's cache
+os.environ.setdefault("FASTAI_RESUME_FINGERPRINTS", tempfile.mkdtemp(prefix="frk-fingerprints-"))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ fastai's own transfer learning (a frozen body with BatchNorm) is in tests/test_a
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 from procs import equal
@@ -83,3 +85,27 @@ def test_a_frozen_tensor_changed_in_place_mid_fit_is_held_and_the_rerun_is_exact
     assert len(ckpt["frozen"]) == 27
     run_app("llm", tmp_path, tmp_path / "out.frk", "--touch-frozen")
     assert_same(ref, fr.load(tmp_path / "out.frk"), ("model",))
+
+
+def test_a_base_file_rewritten_in_place_after_its_crcs_were_remembered_is_refused(tmp_root, tmp_path):
+    from apps import pretrained
+    from test_provenance import new_process
+
+    from fastai_resume import provenance
+
+    run_app("llm", tmp_path, tmp_path / "dead.frk", "--die", MID_ACCUMULATION, expect=-signal.SIGKILL)
+    base = tmp_path / "pretrained" / "model.safetensors"
+    time.sleep(provenance._SETTLED_NS / 1e9)
+    read, _ = new_process(tmp_path / "pretrained")  # a process on this machine read it: its CRCs are remembered
+    st = os.stat(base)
+    version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    assert (Path(os.environ[provenance.ENV]) / provenance._file_name(version)).exists()
+    assert new_process(tmp_path / "pretrained")[0] == 0  # and a new process checks it without reading it
+    pretrained(str(tmp_path / "other"), 1)
+    data = (tmp_path / "other" / "model.safetensors").read_bytes()
+    assert len(data) == st.st_size
+    with open(base, "r+b") as f:  # the same file, the same size, other weights: what a resumed run loads
+        f.write(data)
+    log = run_app("llm", tmp_path, tmp_path / "out.frk", expect=1)
+    assert "is not the one this checkpoint was saved with" in log
+    assert not (tmp_path / "out.frk").exists()

@@ -1,0 +1,274 @@
+"""Which CPU tensors' bytes are, right now, a file's bytes, and the CRC32Cs of file regions already read.
+
+`transformers` loads a model's weights by mapping its safetensors file (`mmap`, private): until
+something writes into a weight, its pages are the file's own pages (the page cache), and a write
+gives the process a private copy of the page it writes. Linux says which page is which
+(`/proc/self/pagemap`, or its PAGEMAP_SCAN ioctl: a present page of a private file mapping is the
+file's or a copy, a swapped one a copy). So a tensor all of whose pages are the file's holds, byte for byte, the
+region `[offset, offset + nbytes)` of that file as it is now; and a file whose device, inode, size,
+modification and change times (`ctime`, which no call can set back) are those of an earlier read
+still holds what that read saw. `frozen.fingerprints` uses both: the CRC32C of a frozen tensor is
+that of its file region when it was read before, in this process or an earlier one, and the pass
+reads only the tensors that are not such a region (anonymous memory, a page written, a GPU tensor).
+
+    key(tensor) = (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns, offset, nbytes)
+
+What was read is remembered in the process and in a folder (`FASTAI_RESUME_FINGERPRINTS`, by
+default `$XDG_CACHE_HOME/fastai-resume/fingerprints`; empty: none), one file per file version, its
+lines checked by a CRC32C: a resumed process then checks its base without reading it. A region is
+remembered only where its file was last changed more than `_SETTLED_NS` before it was read (a write
+within the file system's timestamp granularity could otherwise leave the times as they were), and
+only where the tensor was still the file's after the read. Where any of this is not available (not
+Linux, a kernel without `/proc/self/pagemap`), nothing is a file's: every tensor is read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import struct
+import time
+
+import numpy as np
+
+from . import io
+
+__all__ = ["keys", "known", "remember", "forget", "folder"]
+
+ENV = "FASTAI_RESUME_FINGERPRINTS"
+_SETTLED_NS = 2_000_000_000  # a file changed more recently than this is not remembered (timestamp granularity)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MEMO: dict = {}  # key -> crc, this process's
+_LOADED: set = set()  # the file versions whose remembered regions were read from the folder
+
+
+def folder() -> str | None:
+    "Where regions' CRCs are remembered across processes (None: nowhere)."
+    if ENV in os.environ:
+        return os.environ[ENV] or None
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "fastai-resume", "fingerprints")
+
+
+# --- which mapping holds an address ---------------------------------------------------------------------
+
+# PROCMAP_QUERY (Linux 6.11): the mapping that covers an address, one ioctl on /proc/self/maps
+_QUERY = struct.Struct("<QQQQQQQQQIIIIQQ")  # struct procmap_query
+_PROCMAP_QUERY = (3 << 30) | (_QUERY.size << 16) | (ord("f") << 8) | 17  # _IOWR('f', 17, struct procmap_query)
+_SHARED = 0x08  # PROCMAP_QUERY_VMA_SHARED
+_MAPS_LINE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) (\S+) ([0-9a-f]+) ([0-9a-f]+):([0-9a-f]+) (\d+) +(/[^\n]*)$", re.M)
+_query_works = [True]
+
+
+class _Maps:
+    "The file mappings of this process, looked up by address (each lookup: `(start, end, offset, dev, ino, path)`)."
+
+    def __init__(self):
+        self.fd = os.open("/proc/self/maps", os.O_RDONLY | os.O_CLOEXEC)
+        self.name = ctypes.create_string_buffer(4096)
+        self.table: list | None = None  # the parsed text, where the ioctl is not there
+
+    def close(self):
+        os.close(self.fd)
+
+    def at(self, addr: int):
+        if _query_works[0]:
+            buf = bytearray(_QUERY.pack(_QUERY.size, 0, addr, 0, 0, 0, 0, 0, 0, 0, 0, len(self.name), 0,
+                                        ctypes.addressof(self.name), 0))  # fmt: skip
+            try:
+                fcntl.ioctl(self.fd, _PROCMAP_QUERY, buf, True)
+            except OSError as e:
+                if e.errno in (25, 22):  # ENOTTY, EINVAL: a kernel before 6.11
+                    _query_works[0] = False
+                    return self.at(addr)
+                return None  # ENOENT: nothing mapped there
+            v = _QUERY.unpack(buf)
+            start, end, flags, offset, ino, major, minor, name_size = v[3], v[4], v[5], v[7], v[8], v[9], v[10], v[11]
+            if flags & _SHARED or not ino or not name_size:
+                return None
+            path = self.name.raw[: name_size - 1].decode("utf-8", "surrogateescape")
+            return start, end, offset, os.makedev(major, minor), ino, path
+        if self.table is None:
+            with open("/proc/self/maps", "rb") as f:
+                text = f.read()
+            self.table = [
+                (int(m[1], 16), int(m[2], 16), int(m[4], 16), os.makedev(int(m[5], 16), int(m[6], 16)), int(m[7]),
+                 m[8].decode("utf-8", "surrogateescape"))
+                for m in _MAPS_LINE.finditer(text)
+                if m[3].endswith(b"p") and int(m[7])
+            ]  # fmt: skip
+            self.starts = [t[0] for t in self.table]
+        i = bisect.bisect_right(self.starts, addr) - 1
+        return self.table[i] if i >= 0 and addr < self.table[i][1] else None
+
+
+# PAGEMAP_SCAN (Linux 6.7): the runs of pages of a range with the categories asked for, one ioctl; where it
+# is not there, the range's entries of /proc/self/pagemap (8 bytes a page), read
+_SCAN_ARG, _REGION = struct.Struct("<12Q"), struct.Struct("<3Q")  # struct pm_scan_arg, struct page_region
+_PAGEMAP_SCAN = (3 << 30) | (_SCAN_ARG.size << 16) | (ord("f") << 8) | 16  # _IOWR('f', 16, struct pm_scan_arg)
+_IS_FILE, _IS_PRESENT, _IS_SWAPPED = 1 << 2, 1 << 3, 1 << 4
+_scan_works = [True]
+# by bits 63..61 of a pagemap entry (present, swapped, a file page): the file's where neither present nor
+# swapped (read from the file when touched), or present as a file page
+_FILES = np.array([True, True, False, False, False, True, False, False])
+
+
+def _copied(fd: int, first: int, end: int) -> list:
+    """The runs `(from, to)` of pages in `[first, end)` (page numbers) that are this process's own copies,
+    not the file's (written, or swapped out), in order."""
+    if _scan_works[0]:
+        try:
+            return _scan(fd, first, end)
+        except OSError as e:
+            if e.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            _scan_works[0] = False  # a kernel before 6.7
+    entries = np.frombuffer(os.pread(fd, (end - first) * 8, first * 8), dtype=np.uint64)
+    if len(entries) != end - first:
+        return [(first, end)]
+    copied = np.concatenate([[False], ~_FILES[entries >> np.uint64(61)], [False]])
+    edges = np.flatnonzero(copied[1:] != copied[:-1])
+    return [(first + int(a), first + int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _scan(fd: int, first: int, end: int) -> list:
+    vec = ctypes.create_string_buffer(_REGION.size * 256)
+    out, at, stop = [], first * _PAGE, end * _PAGE
+    while at < stop:
+        arg = bytearray(_SCAN_ARG.pack(_SCAN_ARG.size, 0, at, stop, 0, ctypes.addressof(vec), 256, 0, 0, 0,
+                                       _IS_PRESENT | _IS_SWAPPED, _IS_PRESENT | _IS_SWAPPED | _IS_FILE))  # fmt: skip
+        n = fcntl.ioctl(fd, _PAGEMAP_SCAN, arg, True)
+        for i in range(n):
+            a, b, category = _REGION.unpack_from(vec, i * _REGION.size)
+            if category & _IS_SWAPPED or not category & _IS_FILE:
+                out.append((a // _PAGE, (b + _PAGE - 1) // _PAGE))
+        walked = _SCAN_ARG.unpack(arg)[4]
+        if walked <= at:
+            return [(first, end)]  # (no progress: take every page as copied)
+        at = walked
+    return out
+
+
+def keys(tensors: dict) -> dict:
+    """`{name: key}` for each contiguous CPU tensor of `tensors` whose every page is, now, a page of a private
+    file mapping that nothing in this process wrote (the rest have none)."""
+    found = [(t.data_ptr(), t.numel() * t.element_size(), k) for k, t in tensors.items() if _mappable(t)]
+    if not found:
+        return {}
+    try:
+        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    out: dict = {}
+    maps = None
+    try:
+        maps = _Maps()
+        groups: dict = {}  # mapping -> [(addr, nbytes, name)]
+        mapping = None
+        for addr, n, k in sorted(found):
+            if mapping is None or not mapping[0] <= addr < mapping[1]:
+                mapping = maps.at(addr)
+            if mapping is not None and addr + n <= mapping[1]:
+                groups.setdefault(mapping, []).append((addr, n, k))
+        for (start, _, offset, dev, ino, path), items in groups.items():
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                continue  # the path names another file now (the mapped one was replaced)
+            first = items[0][0] // _PAGE
+            stop = (max(a + n for a, n, _ in items) - 1) // _PAGE + 1
+            copies = _copied(pagemap, first, stop)
+            froms = [a for a, _ in copies]
+            for addr, n, k in items:
+                a, b = addr // _PAGE, (addr + n - 1) // _PAGE + 1
+                i = bisect.bisect_left(froms, b) - 1  # the last run of copies that begins before the tensor ends
+                if i < 0 or copies[i][1] <= a:
+                    out[k] = (dev, ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, offset + addr - start, n)
+    except OSError:
+        return {}
+    finally:
+        if maps is not None:
+            maps.close()
+        os.close(pagemap)
+    return out
+
+
+def _mappable(t) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0 and not t.is_sparse
+
+
+# --- what was read ------------------------------------------------------------------------------------
+
+
+def _file_name(key) -> str:
+    return "-".join(f"{v:x}" for v in key[:5])
+
+
+def known(key) -> int | None:
+    "The CRC32C of a file region read before (None: never, or not remembered)."
+    if key is None:
+        return None
+    if key not in _MEMO and key[:5] not in _LOADED:
+        _LOADED.add(key[:5])
+        _read(key[:5])
+    return _MEMO.get(key)
+
+
+def _read(version) -> None:
+    d = folder()
+    if d is None:
+        return
+    try:
+        with open(os.path.join(d, _file_name(version)), "rb") as f:
+            text = f.read(_MAX_FILE)
+    except OSError:
+        return
+    head, _, body = text.partition(b"\n")
+    if head != _HEAD + f" {io.crc32c(body):x}".encode():
+        return  # not one we wrote whole (every line is checked by it): read the tensors again
+    try:
+        rows = [tuple(int(x, 16) for x in line.split()) for line in body.splitlines()]
+    except ValueError:
+        return
+    _MEMO.update({(*version, o, n): c for o, n, c in rows if c < 1 << 32})
+
+
+_HEAD = b"fastai-resume fingerprints 1"  # the first line: this, and the CRC32C of the lines after it
+_MAX_FILE = 1 << 24
+
+
+def remember(crcs: dict) -> None:
+    "Remember `{key: crc}` (regions read and still the file's after), those of settled files only."
+    now = time.time_ns()
+    new = {k: c for k, c in crcs.items() if now - max(k[3], k[4]) > _SETTLED_NS and _MEMO.get(k) != c}
+    _MEMO.update(new)
+    d = folder()
+    if d is None or not new:
+        return
+    for version in {k[:5] for k in new}:
+        body = "".join(f"{o:x} {n:x} {c:x}\n" for (*v, o, n), c in sorted(_MEMO.items()) if tuple(v) == version)
+        data = _HEAD + f" {io.crc32c(body.encode()):x}\n".encode() + body.encode()
+        path = os.path.join(d, _file_name(version))
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(d, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # a reader sees the old lines or the new, never a part
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def forget() -> None:
+    "Forget what this process read (what a new process knows: the folder's)."
+    _MEMO.clear()
+    _LOADED.clear()

@@ -1,0 +1,175 @@
+"""A frozen base loaded by `from_pretrained` (its weights the pages of the mapped safetensors file) is read
+once for its fingerprints: later saves, and a new process on the same machine, take its CRC32Cs from what
+was read, as long as the kernel says every page is still the file's and the file is the same version.
+A write into a weight (through `.data`, through NumPy), a file rewritten in place, a corrupt remembered
+file: read again, never a stale fingerprint. Real files, real `transformers` loads, a real second process;
+both ways of asking the kernel (its ioctls, the text and entries of /proc/self)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastai_resume import frozen, io, provenance
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's page table")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write_base(folder, seed=0):
+    "A small GPT-2 written as a hub download leaves it; returned once its file is settled (older than 2 s)."
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=4000, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    GPT2LMHeadModel(cfg).save_pretrained(folder)
+    time.sleep(provenance._SETTLED_NS / 1e9 + 0.1)
+    return os.path.join(folder, "model.safetensors")
+
+
+def frozen_params(folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.requires_grad_(False)
+    return model, frozen._frozen_params(model)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    "The bytes the fingerprints read (`io.crc32c_many`), since the last reset."
+    read = [0]
+    real = io.crc32c_many
+
+    def counting(buffers, threads):
+        read[0] += sum(b.nbytes for b in buffers)
+        return real(buffers, threads)
+
+    monkeypatch.setattr(io, "crc32c_many", counting)
+    return read
+
+
+@pytest.fixture(params=["ioctls", "maps and pagemap read"])
+def lookup(request, monkeypatch, tmp_path):
+    """Each test both ways the kernel is asked (Linux 6.11's PROCMAP_QUERY and 6.7's PAGEMAP_SCAN; the text of
+    /proc/self/maps and the entries of /proc/self/pagemap, read), with a folder of remembered CRCs of its own."""
+    monkeypatch.setenv(provenance.ENV, str(tmp_path / "remembered"))
+    if request.param != "ioctls":
+        monkeypatch.setattr(provenance, "_query_works", [False])
+        monkeypatch.setattr(provenance, "_scan_works", [False])
+    provenance.forget()
+    yield request.param
+    provenance.forget()
+
+
+def unique_bytes(params):
+    return sum({p.data_ptr(): p.numel() * p.element_size() for p in params.values()}.values())
+
+
+PROBE = """
+import json, sys
+sys.path[:0] = [{root!r}]
+from transformers import AutoModelForCausalLM
+from fastai_resume import frozen, io
+read = [0]
+real = io.crc32c_many
+io.crc32c_many = lambda b, t: (read.__setitem__(0, read[0] + sum(x.nbytes for x in b)), real(b, t))[1]
+model = AutoModelForCausalLM.from_pretrained({folder!r})
+model.requires_grad_(False)
+fps = frozen.fingerprints(frozen._frozen_params(model))
+print(json.dumps([read[0], fps]))
+"""
+
+
+def new_process(folder):
+    "The frozen fingerprints of the base as a new process takes them, and the bytes that read."
+    code = PROBE.format(root=os.path.dirname(HERE), folder=str(folder))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-3000:]
+    read, fps = json.loads(p.stdout.strip().splitlines()[-1])
+    return read, fps
+
+
+def test_a_mapped_base_is_read_once_then_known_in_this_process_and_in_a_new_one(tmp_path, counted, lookup):
+    write_base(tmp_path / "base")
+    model, params = frozen_params(tmp_path / "base")
+    assert provenance.keys(params).keys() == params.keys()  # every weight: the file's pages
+    first = frozen.fingerprints(params)
+    assert counted[0] == unique_bytes(params)  # read once
+    copies = frozen.fingerprints({k: p.clone() for k, p in params.items()})  # anonymous memory: read
+    assert copies == first
+    counted[0] = 0
+    assert frozen.fingerprints(params) == first and counted[0] == 0  # the next save's: nothing read
+    provenance.forget()  # a new process, on this machine: from the folder
+    assert frozen.fingerprints(params) == first and counted[0] == 0
+    read, fps = new_process(tmp_path / "base")
+    assert read == 0 and fps == first
+
+
+@pytest.mark.parametrize("how", [".data", "numpy"])
+def test_a_write_into_a_mapped_weight_is_read_again_and_its_fingerprint_changes(tmp_path, counted, lookup, how):
+    write_base(tmp_path / "base")
+    model, params = frozen_params(tmp_path / "base")
+    first = frozen.fingerprints(params)
+    name = "transformer.h.1.mlp.c_fc.weight"
+    if how == ".data":
+        params[name].data[3, 5] += 1
+    else:
+        params[name].detach().numpy()[3, 5] += 1
+    counted[0] = 0
+    now = frozen.fingerprints(params)
+    assert name not in provenance.keys(params)
+    assert 0 < counted[0] < unique_bytes(params) / 2  # that weight (and any sharing its edge pages), not the rest
+    assert [k for k in first if first[k] != now[k]] == [name]
+    provenance.forget()
+    assert frozen.fingerprints(params) == now  # never the file's CRC for the written weight
+
+
+def test_negative_control_without_the_page_check_a_written_weight_keeps_its_stale_fingerprint(
+    tmp_path, lookup, monkeypatch
+):
+    write_base(tmp_path / "base")
+    model, params = frozen_params(tmp_path / "base")
+    first = frozen.fingerprints(params)
+    monkeypatch.setattr(provenance, "_copied", lambda fd, first, end: [])
+    params["transformer.h.1.mlp.c_fc.weight"].data[3, 5] += 1
+    assert frozen.fingerprints(params) == first  # what the page check prevents: a silent stale fingerprint
+
+
+def test_a_base_file_rewritten_in_place_is_read_again_and_a_young_one_is_not_remembered(tmp_path, counted, lookup):
+    path = write_base(tmp_path / "base")
+    model, params = frozen_params(tmp_path / "base")
+    first = frozen.fingerprints(params)
+    del model, params
+    other = write_base(tmp_path / "other", seed=1)
+    data = open(other, "rb").read()
+    assert len(data) == os.path.getsize(path)
+    with open(path, "r+b") as f:  # the same file (inode), the same size, other weights
+        f.write(data)
+    model, params = frozen_params(tmp_path / "base")
+    counted[0] = 0
+    now = frozen.fingerprints(params)
+    assert counted[0] == unique_bytes(params) and now != first
+    assert now == frozen.fingerprints({k: p.clone() for k, p in params.items()})
+    versions = os.listdir(tmp_path / "remembered")
+    assert len(versions) == 1  # the first version's; not the rewritten one's (changed < 2 s ago)
+    read, fps = new_process(tmp_path / "base")
+    assert read == unique_bytes(params) and fps == now
+
+
+def test_a_corrupt_remembered_file_is_not_used(tmp_path, counted, lookup):
+    write_base(tmp_path / "base")
+    model, params = frozen_params(tmp_path / "base")
+    first = frozen.fingerprints(params)
+    (remembered,) = (tmp_path / "remembered").iterdir()
+    lines = remembered.read_text().splitlines()
+    o, n, crc = lines[3].split()
+    lines[3] = f"{o} {n} {int(crc, 16) ^ 1:x}"  # one remembered CRC wrong
+    remembered.write_text("\n".join(lines) + "\n")
+    provenance.forget()
+    counted[0] = 0
+    assert frozen.fingerprints(params) == first and counted[0] == unique_bytes(params)
