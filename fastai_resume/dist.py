@@ -356,6 +356,8 @@ def sharded(model) -> bool:
     if model is None:
         return False
     fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    if fsdp is None and tensor is None:
+        return False
     kinds = (fsdp.FSDPModule,) if fsdp is not None else ()
     dtensor = tensor.DTensor if tensor is not None else None
     for m in model.modules():  # (one walk: a resume's checks call this on every stage's start)

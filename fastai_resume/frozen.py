@@ -83,12 +83,8 @@ def fingerprints(tensors: dict) -> dict:
     for k, t in tensors.items():
         first.setdefault(key(t), k)
     cpu = [k for k in first.values() if tensors[k].device.type == "cpu"]
-    where = provenance.keys({k: tensors[k] for k in cpu})  # those whose bytes are a file's, unwritten
-    crcs = {k: c for k in cpu if (c := provenance.known(where.get(k))) is not None}
-    read = [k for k in cpu if k not in crcs]
-    crcs.update(zip(read, io.crc32c_many([_bytes(tensors[k]) for k in read], _THREADS)))
-    still = provenance.keys({k: tensors[k] for k in read if k in where})  # (nothing wrote them while read)
-    provenance.remember({where[k]: crcs[k] for k in still if still[k] == where[k]})
+    read = lambda names: io.crc32c_many([_bytes(tensors[k]) for k in names], _THREADS)  # noqa: E731
+    crcs = provenance.crcs({k: tensors[k] for k in cpu}, read)  # a file's bytes, unwritten: known, not read
     for k in first.values():
         if k not in crcs:
             crcs[k] = io.crc32c_many([_bytes(tensors[k])], _THREADS)[0]

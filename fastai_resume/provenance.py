@@ -6,17 +6,19 @@ gives the process a private copy of the page it writes. Linux says which page is
 (`/proc/self/pagemap`, or its PAGEMAP_SCAN ioctl: a present page of a private file mapping is the
 file's or a copy, a swapped one a copy). So a tensor all of whose pages are the file's holds, byte for byte, the
 region `[offset, offset + nbytes)` of that file as it is now; and a file whose device, inode, size,
-modification and change times (`ctime`, which no call can set back) are those of an earlier read
-still holds what that read saw. `frozen.fingerprints` uses both: the CRC32C of a frozen tensor is
-that of its file region when it was read before, in this process or an earlier one, and the pass
-reads only the tensors that are not such a region (anonymous memory, a page written, a GPU tensor).
+modification and change times are those of an earlier read still holds what that read saw, on a file
+system that keeps the times of this machine's changes (`ctime` moves with every change and no call
+sets it back). `frozen.fingerprints` uses both (`crcs`): the CRC32C of a frozen tensor is that of its
+file region when it was read before, in this process or an earlier one, and the pass reads only the
+tensors that are not such a region (anonymous memory, a page written, a GPU tensor).
 
     key(tensor) = (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns, offset, nbytes)
 
-What was read is remembered in the process and in a folder (`FASTAI_RESUME_FINGERPRINTS`, by
-default `$XDG_CACHE_HOME/fastai-resume/fingerprints`; empty: none), one file per file version, its
-lines checked by a CRC32C: a resumed process then checks its base without reading it. A region is
-remembered only where its file was last changed more than `_SETTLED_NS` before it was read (a write
+What was read is remembered in the process, and in a folder (`FASTAI_RESUME_FINGERPRINTS`, by default
+`$XDG_CACHE_HOME/fastai-resume/fingerprints`; empty: none) for files on a local file system of this
+machine (`_shared`: not an image's, not a network's), one file per file version and boot, its lines
+checked by a CRC32C: a resumed process then checks its base without reading it. A region is
+remembered only where its file was last changed more than `_SETTLED_NS` before the read began (a write
 within the file system's timestamp granularity could otherwise leave the times as they were), and
 only where the tensor was still the file's after the read. Where any of this is not available (not
 Linux, a kernel without `/proc/self/pagemap`), nothing is a file's: every tensor is read.
@@ -27,7 +29,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
-import fcntl
 import os
 import re
 import struct
@@ -37,7 +38,12 @@ import numpy as np
 
 from . import io
 
-__all__ = ["keys", "known", "remember", "forget", "folder"]
+try:
+    import fcntl
+except ImportError:  # (not POSIX: nothing is a file's)
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["crcs", "keys", "forget", "folder"]
 
 ENV = "FASTAI_RESUME_FINGERPRINTS"
 _SETTLED_NS = 2_000_000_000  # a file changed more recently than this is not remembered (timestamp granularity)
@@ -82,7 +88,7 @@ class _Maps:
             try:
                 fcntl.ioctl(self.fd, _PROCMAP_QUERY, buf, True)
             except OSError as e:
-                if e.errno in (25, 22):  # ENOTTY, EINVAL: a kernel before 6.11
+                if e.errno in (errno.ENOTTY, errno.EINVAL):  # a kernel before 6.11
                     _query_works[0] = False
                     return self.at(addr)
                 return None  # ENOENT: nothing mapped there
@@ -157,7 +163,7 @@ def keys(tensors: dict) -> dict:
     """`{name: key}` for each contiguous CPU tensor of `tensors` whose every page is, now, a page of a private
     file mapping that nothing in this process wrote (the rest have none)."""
     found = [(t.data_ptr(), t.numel() * t.element_size(), k) for k, t in tensors.items() if _mappable(t)]
-    if not found:
+    if not found or fcntl is None:
         return {}
     try:
         pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
@@ -206,11 +212,21 @@ def _mappable(t) -> bool:
 # --- what was read ------------------------------------------------------------------------------------
 
 
-def _file_name(key) -> str:
-    return "-".join(f"{v:x}" for v in key[:5])
+def crcs(tensors: dict, read) -> dict:
+    """`{name: CRC32C}` of CPU tensors: a file region's CRC read before where the tensor is, now, that region
+    of the same version of its file; the rest by `read(names) -> [crc, ...]`, and of those, the ones that
+    were such a region before and after the read, remembered."""
+    began = time.time_ns()
+    where = keys(tensors)
+    out = {k: c for k in tensors if (c := _known(where.get(k))) is not None}
+    todo = [k for k in tensors if k not in out]
+    out.update(zip(todo, read(todo)))
+    still = keys({k: tensors[k] for k in todo if k in where})  # (nothing wrote them while they were read)
+    _remember({where[k]: out[k] for k in still if still[k] == where[k]}, began)
+    return out
 
 
-def known(key) -> int | None:
+def _known(key) -> int | None:
     "The CRC32C of a file region read before (None: never, or not remembered)."
     if key is None:
         return None
@@ -220,9 +236,49 @@ def known(key) -> int | None:
     return _MEMO.get(key)
 
 
+def _file_name(version) -> str:
+    "The folder's file of a file version: this boot's (device numbers are reused across boots)."
+    return "-".join([_boot_id(), *(f"{v:x}" for v in version)])
+
+
+def _boot_id() -> str:
+    if not _BOOT:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _BOOT.append(f.read().strip().replace("-", "")[:16] or "unknown")
+        except OSError:
+            _BOOT.append("unknown")
+    return _BOOT[0]
+
+
+_BOOT: list = []
+
+
+def _shared(version) -> bool:
+    """Whether a file version's regions may be remembered across processes: its file system keeps the times
+    of this machine's changes (`_LOCAL`). One built elsewhere (squashfs, erofs, an ISO: times and inode
+    numbers from the image), one served from elsewhere (NFS, FUSE, virtiofs), another layer over them
+    (overlayfs) can show one version's device, inode, size and times for other bytes."""
+    dev = version[0]
+    if dev not in _FS:
+        try:
+            with open("/proc/self/mountinfo") as f:
+                for line in f:
+                    fields, _, rest = line.partition(" - ")
+                    major, _, minor = fields.split()[2].partition(":")
+                    _FS.setdefault(os.makedev(int(major), int(minor)), rest.split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return _FS.get(dev) in _LOCAL
+
+
+_FS: dict = {}  # device -> its file system's type (/proc/self/mountinfo)
+_LOCAL = {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs"}
+
+
 def _read(version) -> None:
     d = folder()
-    if d is None:
+    if d is None or not _shared(version):
         return
     try:
         with open(os.path.join(d, _file_name(version)), "rb") as f:
@@ -233,25 +289,25 @@ def _read(version) -> None:
     if head != _HEAD + f" {io.crc32c(body):x}".encode():
         return  # not one we wrote whole (every line is checked by it): read the tensors again
     try:
-        rows = [tuple(int(x, 16) for x in line.split()) for line in body.splitlines()]
+        rows = {(*version, o, n): c for o, n, c in (map(lambda x: int(x, 16), ln.split()) for ln in body.splitlines())}
     except ValueError:
         return
-    _MEMO.update({(*version, o, n): c for o, n, c in rows if c < 1 << 32})
+    _MEMO.update({k: c for k, c in rows.items() if c < 1 << 32})
 
 
-_HEAD = b"fastai-resume fingerprints 1"  # the first line: this, and the CRC32C of the lines after it
+_HEAD = b"fastai-resume fingerprints 2"  # the first line: this, and the CRC32C of the lines after it
 _MAX_FILE = 1 << 24
 
 
-def remember(crcs: dict) -> None:
-    "Remember `{key: crc}` (regions read and still the file's after), those of settled files only."
-    now = time.time_ns()
-    new = {k: c for k, c in crcs.items() if now - max(k[3], k[4]) > _SETTLED_NS and _MEMO.get(k) != c}
+def _remember(found: dict, began: int) -> None:
+    """Remember `{key: crc}`, regions read and still the file's after, of files changed more than
+    `_SETTLED_NS` before the read began; in the folder, those of files `_shared` allows."""
+    new = {k: c for k, c in found.items() if began - max(k[3], k[4]) > _SETTLED_NS and _MEMO.get(k) != c}
     _MEMO.update(new)
     d = folder()
-    if d is None or not new:
+    if d is None:
         return
-    for version in {k[:5] for k in new}:
+    for version in {k[:5] for k in new if _shared(k[:5])}:
         body = "".join(f"{o:x} {n:x} {c:x}\n" for (*v, o, n), c in sorted(_MEMO.items()) if tuple(v) == version)
         data = _HEAD + f" {io.crc32c(body.encode()):x}\n".encode() + body.encode()
         path = os.path.join(d, _file_name(version))

@@ -12,7 +12,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 # the CRC32Cs of base files read (fastai_resume.provenance): a folder of this session's (each worker's), every
 # script the tests start writes there, none in the user's cache
-os.environ.setdefault("FASTAI_RESUME_FINGERPRINTS", tempfile.mkdtemp(prefix="frk-fingerprints-"))
+if not os.environ.get("FASTAI_RESUME_FINGERPRINTS"):
+    os.environ["FASTAI_RESUME_FINGERPRINTS"] = tempfile.mkdtemp(prefix="frk-fingerprints-")
 
 
 @pytest.fixture(scope="session")

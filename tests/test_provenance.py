@@ -5,7 +5,9 @@ A write into a weight (through `.data`, through NumPy), a file rewritten in plac
 file: read again, never a stale fingerprint. Real files, real `transformers` loads, a real second process;
 both ways of asking the kernel (its ioctls, the text and entries of /proc/self)."""
 
+import contextlib
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from fastai_resume import frozen, io, provenance
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's page table")
 HERE = os.path.dirname(os.path.abspath(__file__))
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def write_base(folder, seed=0):
@@ -53,17 +56,43 @@ def counted(monkeypatch):
     return read
 
 
-@pytest.fixture(params=["ioctls", "maps and pagemap read"])
+FALLBACK = "maps and pagemap read"
+
+
+@pytest.fixture(params=["ioctls", FALLBACK])
 def lookup(request, monkeypatch, tmp_path):
     """Each test both ways the kernel is asked (Linux 6.11's PROCMAP_QUERY and 6.7's PAGEMAP_SCAN; the text of
-    /proc/self/maps and the entries of /proc/self/pagemap, read), with a folder of remembered CRCs of its own."""
+    /proc/self/maps and the entries of /proc/self/pagemap, read), with a folder of remembered CRCs of its own;
+    the ioctls' way must stay theirs (a wrong layout would fall back silently)."""
     monkeypatch.setenv(provenance.ENV, str(tmp_path / "remembered"))
-    if request.param != "ioctls":
+    flags = [provenance._query_works, provenance._scan_works]
+    if request.param == FALLBACK:
         monkeypatch.setattr(provenance, "_query_works", [False])
         monkeypatch.setattr(provenance, "_scan_works", [False])
+    else:
+        with mapped(tmp_path / "probe.bin", 4) as (t, _):
+            provenance.keys({"probe": t})
+        if not all(f[0] for f in flags):
+            pytest.skip("a kernel without PROCMAP_QUERY (6.11) or PAGEMAP_SCAN (6.7)")
     provenance.forget()
     yield request.param
     provenance.forget()
+    if request.param != FALLBACK:
+        assert all(f[0] for f in flags)
+
+
+@contextlib.contextmanager
+def mapped(path, pages):
+    "A file of `pages` random pages mapped privately, and a uint8 tensor over all of it."
+    path.write_bytes(os.urandom(pages * PAGE))
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    try:
+        yield t, m
+    finally:
+        del t
+        m.close()
 
 
 def unique_bytes(params):
@@ -74,7 +103,9 @@ PROBE = """
 import json, sys
 sys.path[:0] = [{root!r}]
 from transformers import AutoModelForCausalLM
-from fastai_resume import frozen, io
+from fastai_resume import frozen, io, provenance
+if {fallback!r}:
+    provenance._query_works[0] = provenance._scan_works[0] = False
 read = [0]
 real = io.crc32c_many
 io.crc32c_many = lambda b, t: (read.__setitem__(0, read[0] + sum(x.nbytes for x in b)), real(b, t))[1]
@@ -85,9 +116,9 @@ print(json.dumps([read[0], fps]))
 """
 
 
-def new_process(folder):
-    "The frozen fingerprints of the base as a new process takes them, and the bytes that read."
-    code = PROBE.format(root=os.path.dirname(HERE), folder=str(folder))
+def new_process(folder, lookup="ioctls"):
+    "The frozen fingerprints of the base as a new process takes them (the kernel asked `lookup`'s way), and the bytes read."
+    code = PROBE.format(root=os.path.dirname(HERE), folder=str(folder), fallback=lookup == FALLBACK)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert p.returncode == 0, p.stderr[-3000:]
     read, fps = json.loads(p.stdout.strip().splitlines()[-1])
@@ -106,7 +137,7 @@ def test_a_mapped_base_is_read_once_then_known_in_this_process_and_in_a_new_one(
     assert frozen.fingerprints(params) == first and counted[0] == 0  # the next save's: nothing read
     provenance.forget()  # a new process, on this machine: from the folder
     assert frozen.fingerprints(params) == first and counted[0] == 0
-    read, fps = new_process(tmp_path / "base")
+    read, fps = new_process(tmp_path / "base", lookup)
     assert read == 0 and fps == first
 
 
@@ -140,12 +171,15 @@ def test_negative_control_without_the_page_check_a_written_weight_keeps_its_stal
     assert frozen.fingerprints(params) == first  # what the page check prevents: a silent stale fingerprint
 
 
-def test_a_base_file_rewritten_in_place_is_read_again_and_a_young_one_is_not_remembered(tmp_path, counted, lookup):
+def test_a_base_file_rewritten_in_place_is_read_again_and_a_young_one_is_not_remembered(
+    tmp_path, counted, lookup, monkeypatch
+):
     path = write_base(tmp_path / "base")
     model, params = frozen_params(tmp_path / "base")
     first = frozen.fingerprints(params)
     del model, params
     other = write_base(tmp_path / "other", seed=1)
+    monkeypatch.setattr(provenance, "_SETTLED_NS", 3600 * 10**9)  # (this process: however long the rest takes)
     data = open(other, "rb").read()
     assert len(data) == os.path.getsize(path)
     with open(path, "r+b") as f:  # the same file (inode), the same size, other weights
@@ -157,7 +191,7 @@ def test_a_base_file_rewritten_in_place_is_read_again_and_a_young_one_is_not_rem
     assert now == frozen.fingerprints({k: p.clone() for k, p in params.items()})
     versions = os.listdir(tmp_path / "remembered")
     assert len(versions) == 1  # the first version's; not the rewritten one's (changed < 2 s ago)
-    read, fps = new_process(tmp_path / "base")
+    read, fps = new_process(tmp_path / "base", lookup)
     assert read == unique_bytes(params) and fps == now
 
 
@@ -173,3 +207,19 @@ def test_a_corrupt_remembered_file_is_not_used(tmp_path, counted, lookup):
     provenance.forget()
     counted[0] = 0
     assert frozen.fingerprints(params) == first and counted[0] == unique_bytes(params)
+
+
+def test_the_pages_written_are_found_among_hundreds_of_runs_to_the_byte(tmp_path, lookup):
+    "Every third page of 2,000 written (more runs than one PAGEMAP_SCAN returns): each tensor's answer, edges too."
+    with mapped(tmp_path / "pages.bin", 2000) as (t, m):
+        written = set(range(0, 1800, 3))
+        for p in written:
+            m[p * PAGE] = (m[p * PAGE] + 1) % 256  # a copy of that page
+        spans = [(1, 3), (1, 3.0001), (2.9999, 3), (3.0001, 3.9999), (1799, 1801), (1800, 2000), (4, 6), (1, 1800)]
+        spans += [(a, a + 2) for a in range(0, 1800, 7)]
+        tensors = {f"{a}-{b}": t[int(a * PAGE) : int(b * PAGE)] for a, b in spans}
+        got = provenance.keys(tensors)
+        for a, b in spans:
+            pages = set(range(int(a * PAGE) // PAGE, (int(b * PAGE) - 1) // PAGE + 1))
+            assert (f"{a}-{b}" in got) == (not pages & written), (a, b)
+        del tensors
