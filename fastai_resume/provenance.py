@@ -16,12 +16,13 @@ tensors that are not such a region (anonymous memory, a page written, a GPU tens
 
 What was read is remembered in the process, and in a folder (`FASTAI_RESUME_FINGERPRINTS`, by default
 `$XDG_CACHE_HOME/fastai-resume/fingerprints`; empty: none) for files on a local file system of this
-machine (`_shared`: not an image's, not a network's), one file per file version and boot, its lines
-checked by a CRC32C: a resumed process then checks its base without reading it. A region is
-remembered only where its file was last changed more than `_SETTLED_NS` before the read began (a write
-within the file system's timestamp granularity could otherwise leave the times as they were), and
-only where the tensor was still the file's after the read. Where any of this is not available (not
-Linux, a kernel without `/proc/self/pagemap`), nothing is a file's: every tensor is read.
+machine (`_shared`: not an image's, not a network's), one file per file version and boot (this
+package's format: verified as it is read, replaced whole): a resumed process then checks its base
+without reading it. A region is remembered only where its file was last changed more than
+`_SETTLED_NS` before the read began (a write within the file system's timestamp granularity could
+otherwise leave the times as they were), and only where the tensor was still the file's after the read.
+Where any of this is not available (not Linux, a kernel without `/proc/self/pagemap`), nothing is a
+file's: every tensor is read.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def _known(key) -> int | None:
 
 def _file_name(version) -> str:
     "The folder's file of a file version: this boot's (device numbers are reused across boots)."
-    return "-".join([_boot_id(), *(f"{v:x}" for v in version)])
+    return "-".join([_boot_id(), *(f"{v:x}" for v in version)]) + io.EXT
 
 
 def _boot_id() -> str:
@@ -281,47 +282,29 @@ def _read(version) -> None:
     if d is None or not _shared(version):
         return
     try:
-        with open(os.path.join(d, _file_name(version)), "rb") as f:
-            text = f.read(_MAX_FILE)
-    except OSError:
+        rows = io.load(os.path.join(d, _file_name(version)))["regions"]  # (verified: a corrupt one is not used)
+    except (OSError, io.CheckpointError, KeyError, TypeError):
         return
-    head, _, body = text.partition(b"\n")
-    if head != _HEAD + f" {io.crc32c(body):x}".encode():
-        return  # not one we wrote whole (every line is checked by it): read the tensors again
-    try:
-        rows = {(*version, o, n): c for o, n, c in (map(lambda x: int(x, 16), ln.split()) for ln in body.splitlines())}
-    except ValueError:
-        return
-    _MEMO.update({k: c for k, c in rows.items() if c < 1 << 32})
-
-
-_HEAD = b"fastai-resume fingerprints 2"  # the first line: this, and the CRC32C of the lines after it
-_MAX_FILE = 1 << 24
+    if isinstance(rows, np.ndarray) and rows.dtype == np.uint64 and rows.ndim == 2 and rows.shape[1] == 3:
+        _MEMO.update({(*version, o, n): c for o, n, c in rows.tolist() if c < 1 << 32})
 
 
 def _remember(found: dict, began: int) -> None:
     """Remember `{key: crc}`, regions read and still the file's after, of files changed more than
-    `_SETTLED_NS` before the read began; in the folder, those of files `_shared` allows."""
+    `_SETTLED_NS` before the read began; in the folder, those of files `_shared` allows (a file of this
+    package's format, `{"regions": [[offset, nbytes, crc], ...]}`, replaced whole)."""
     new = {k: c for k, c in found.items() if began - max(k[3], k[4]) > _SETTLED_NS and _MEMO.get(k) != c}
     _MEMO.update(new)
     d = folder()
     if d is None:
         return
     for version in {k[:5] for k in new if _shared(k[:5])}:
-        body = "".join(f"{o:x} {n:x} {c:x}\n" for (*v, o, n), c in sorted(_MEMO.items()) if tuple(v) == version)
-        data = _HEAD + f" {io.crc32c(body.encode()):x}\n".encode() + body.encode()
-        path = os.path.join(d, _file_name(version))
-        tmp = f"{path}.{os.getpid()}.tmp"
+        rows = [(o, n, c) for (*v, o, n), c in sorted(_MEMO.items()) if tuple(v) == version]
         try:
             os.makedirs(d, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # a reader sees the old lines or the new, never a part
+            io.save({"regions": np.array(rows, dtype=np.uint64)}, os.path.join(d, _file_name(version)), fsync=False)
         except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            pass  # (not remembered: a later process reads the tensors again)
 
 
 def forget() -> None:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import mmap
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -200,10 +201,11 @@ def test_a_corrupt_remembered_file_is_not_used(tmp_path, counted, lookup):
     model, params = frozen_params(tmp_path / "base")
     first = frozen.fingerprints(params)
     (remembered,) = (tmp_path / "remembered").iterdir()
-    lines = remembered.read_text().splitlines()
-    o, n, crc = lines[3].split()
-    lines[3] = f"{o} {n} {int(crc, 16) ^ 1:x}"  # one remembered CRC wrong
-    remembered.write_text("\n".join(lines) + "\n")
+    data = bytearray(remembered.read_bytes())
+    at = data.find(struct.pack("<Q", first["transformer.h.0.mlp.c_fc.weight"]["crc"]))
+    assert at > 0
+    data[at] ^= 1  # one remembered CRC wrong
+    remembered.write_bytes(bytes(data))
     provenance.forget()
     counted[0] = 0
     assert frozen.fingerprints(params) == first and counted[0] == unique_bytes(params)
