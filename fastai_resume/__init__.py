@@ -16,6 +16,7 @@ imports too), and only io imports the C core.
     stored.py              a checkpoint on disk, a file or a folder: exists, size, removal; temporary files
     fastai_classes.py      "is this fastai's X?", without importing fastai
     dist.py                torch.distributed plumbing
+    streams.py             what each stream library's state is worth (Hugging Face datasets, torchdata)
     state.py, loaders.py,  pieces of the training state: RNG, Recorder, hidden state, gradients;
     trackers.py,           each DataLoader's iteration state and the skip of k batches; the
     callbacks.py           callbacks' state (TensorBoard's and W&B's, fastai's, the user's hooks)
@@ -99,6 +100,7 @@ _SUBMODULES = {
     "stages",
     "state",
     "stored",
+    "streams",
     "trainstate",
 }
 

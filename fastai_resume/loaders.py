@@ -8,12 +8,13 @@ This is the one place that knows how each kind of loader decides what it yields:
 - PyTorch's `DataLoader`: the order comes from its sampler, drawn from the global torch RNG or the
   loader's / sampler's `generator` (saved). The skip drops the first k index lists of the batch
   sampler (indices only, no data loaded).
-- Streams (`DataLoader(indexed=False)`, an `IterableDataset`): exact when the loader or its dataset
-  implements the PyTorch ecosystem's `state_dict()` / `load_state_dict()` protocol (torchdata's
-  `StatefulDataLoader`, resumable datasets): the state at the save point is loaded and the stream
-  continues from there, nothing re-read. A stream without that protocol cannot be resumed mid-epoch
-  exactly: `restore_position` refuses with what to do, unless the user opted in to a fast-forward,
-  which reads and discards the skipped batches.
+- Streams (`DataLoader(indexed=False)`, an `IterableDataset`): `stream_way` decides, with what
+  `streams` knows of each library's state: from the state at the save point where it is complete and
+  of the object that moved (the loader or its dataset implements `state_dict()` / `load_state_dict()`,
+  read in this process, or torchdata's `StatefulDataLoader`), nothing re-read; else a stream known to
+  repeat each pass (Hugging Face `datasets`) replays the epoch from its start, reading and discarding
+  the trained batches; any other is refused with what to do, unless the user opted in to that
+  fast-forward.
 
 With worker processes, a fastai `DataLoader` of a resumable fit seeds the workers' RNGs at every
 batch from the epoch's worker seed and the batch's index (`BatchSeeder`), so the random item
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import streams
 from .dist import is_distributed_dl, unwrap_dl
 from .fastai_classes import is_a
 from .fields import a_dict, a_list, a_tensor, need
@@ -126,7 +128,7 @@ def capture(dl) -> dict:
         st["generators"] = [g.get_state() for g in _generators(dl)]
     owner = _state_owner(dl)
     if owner is not None and is_stream(dl):
-        st["state"] = owner.state_dict()
+        st["state"] = streams.storable(owner.state_dict())
     return st
 
 
@@ -146,7 +148,7 @@ def restore(dl, st: dict, with_stream_state: bool = True) -> None:
     if with_stream_state and "state" in st:
         owner = _state_owner(dl)
         if owner is not None:
-            owner.load_state_dict(st["state"])
+            owner.load_state_dict(streams.from_storable(st["state"]))
 
 
 class _SkippedIdxs(list):
@@ -198,29 +200,78 @@ class _SkipBatchSampler:
         yield from it
 
 
+def _dataset(dl):
+    return getattr(unwrap_dl(dl), "dataset", None)
+
+
+def keeps_position(dl) -> bool:
+    "Does a stream's state at an epoch's end say where its next epoch starts (not a stream that restarts each pass)?"
+    return not streams.restarts_each_pass(_dataset(dl))
+
+
+def stream_way(dl, fast_forward: bool = False) -> tuple[str, str]:
+    """How a stream resumes mid-epoch, and why not from its state: `state` (its saved state is loaded:
+    nothing re-read), `replay` (a stream known to repeat each pass: the epoch is read from its start and
+    discarded up to the position), `fast-forward` (the same, vouched for by the user) or `refuse`."""
+    dl = unwrap_dl(dl)
+    ds, owner = _dataset(dl), _state_owner(dl)
+    workers = getattr(dl, "fake_l", None) if is_fastai(dl) else dl
+    workers = getattr(workers, "num_workers", 0) or 0
+    in_workers = owner is not None and owner is not dl and workers > 0
+    if owner is not None and not in_workers and streams.partial_state(ds) is None:
+        return "state", ""
+    why = streams.partial_state(ds) or (
+        f"its position lives in the {workers} worker processes that read it (num_workers={workers}): the copy "
+        "this process holds, whose state a checkpoint would take, never moves"
+        if in_workers
+        else "it has no state_dict()/load_state_dict(), so where it was is unknown"
+    )
+    if streams.replayable(ds):
+        return "replay", why
+    return ("fast-forward" if fast_forward else "refuse"), why
+
+
+def _refusal(dl, why, where, k) -> str:
+    name = type(_dataset(dl) or unwrap_dl(dl)).__name__
+    if "worker processes" in why:
+        return (
+            f"cannot resume {where}mid-epoch exactly: the training DataLoader reads a stream ({name}) and {why}. "
+            f"Options: hand fastai torchdata's StatefulDataLoader (it collects each worker's state), or read the "
+            "stream with num_workers=0; or load with fast_forward=True (learn.load(..., fast_forward=True) / "
+            f"AutoCheckpoint(fast_forward=True)) if every pass of it is the same: its first {k} batches are read "
+            "again and discarded; or fit with start_iter=0 to restart the epoch."
+        )
+    return (
+        f"cannot resume {where}mid-epoch exactly: the training DataLoader reads a stream ({name}) that has no "
+        f"state_dict()/load_state_dict(), so where it was after {k} batches is unknown. Options: give the dataset "
+        "(or use a loader with) state_dict()/load_state_dict() (torchdata's StatefulDataLoader, or your own two "
+        "methods), and the resume is exact without re-reading; or load with fast_forward=True "
+        "(learn.load(..., fast_forward=True) / AutoCheckpoint(fast_forward=True)) to read and discard the skipped "
+        "batches; or fit with start_iter=0 to restart the epoch."
+    )
+
+
+def forget_loaded(dl) -> None:
+    "Once the resumed epoch's first batch is in: the stream's loaded state applies to no later epoch."
+    streams.forget_loaded(_dataset(dl))
+
+
 def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = "", whole: bool = False) -> str:
     """Make the next epoch of `dl` start at batch `k`, calling `on_skipped()` once the skipped part is
     behind (when the loader first reads its index list, before the first kept item is made and after the
     loader's own draws at the epoch's start). Returns how the skip is done. A fastai `DistributedDL` is
-    cut itself (its index list is this rank's shard), not the loader it wraps. A stream with state
-    continues from its loaded state (nothing is cut); with `fast_forward`, `all_batches` reads and
-    discards k batches, then calls `on_skipped` itself."""
+    cut itself (its index list is this rank's shard), not the loader it wraps. A stream resumes as
+    `stream_way` says: from its loaded state (nothing is cut), or `all_batches` reads and discards k
+    batches (a replay, or a fast-forward), then calls `on_skipped` itself; or it is refused."""
     cut = k
     how = "index list" if is_fastai(dl) else "batch sampler"
     sized = is_fastai(dl) and unwrap_dl(dl).n is not None  # a fastai stream of a fixed length per epoch (`n=`)
     if is_stream(dl):
-        if not has_state(dl):
-            if not fast_forward:
-                raise StreamNotResumable(
-                    f"cannot resume {where}mid-epoch exactly: the training DataLoader reads a stream "
-                    f"({type(getattr(unwrap_dl(dl), 'dataset', dl)).__name__}) that has no state_dict()/"
-                    f"load_state_dict(), so where it was after {k} batches is unknown. Options: give the dataset "
-                    "(or use a loader with) state_dict()/load_state_dict() (torchdata's StatefulDataLoader, or "
-                    "your own two methods), and the resume is exact without re-reading; or load with "
-                    "fast_forward=True (learn.load(..., fast_forward=True) / AutoCheckpoint(fast_forward=True)) to "
-                    "read and discard the skipped batches; or fit with start_iter=0 to restart the epoch."
-                )
-            return "fast-forward"
+        way, why = stream_way(dl, fast_forward)
+        if way == "refuse":
+            raise StreamNotResumable(_refusal(dl, why, where, k))
+        if way != "state":
+            return f"{way} ({why})" if way == "replay" else way
         # the stream continues from its loaded state: nothing of it is re-read; an epoch of `n` items
         # still has only its remaining batches to run
         cut, how = (k, "stream state, remaining batches") if sized else (0, "stream state")

@@ -88,7 +88,7 @@ def all_batches(self: Learner):
     it = iter(self.dl)
     if s.fast_forwarding:
         n, s.fast_forwarding = s.fast_forwarding, 0
-        for i in range(n):  # a stream without state: read and discard what was trained before the save
+        for i in range(n):  # a stream's replay: read and discard what was trained before the save
             if next(it, None) is None:
                 break
             if (i + 1) % max(1, n // 10) == 0 or i + 1 == n:
@@ -542,12 +542,33 @@ def _broadcast_idxs(self, t, src):
     return t.cpu().tolist()
 
 
+_DDL_ORIG: dict = {}  # DistributedDL's own methods, for loaders over an index list
+
+
+def _ddl_len(self):
+    "`DistributedDL.__len__`; over a stream, the rank's own loader's (each rank reads its own split)."
+    return len(self.dl) if not self.dl.indexed else _DDL_ORIG["__len__"](self)
+
+
+def _ddl_get_idxs(self):
+    """`DistributedDL.get_idxs`; over a stream (a list of `None`s, nothing to broadcast or cut) the rank's
+    own loader's: each rank reads its own split of the stream (`split_dataset_by_node`), `n` items an epoch."""
+    if self.dl.indexed:
+        return _DDL_ORIG["get_idxs"](self)
+    idxs = self.dl.get_idxs()
+    self.n = self.dl.n
+    return idxs
+
+
 def patch_distributed_dl() -> None:
     """Once `fastai.distributed` is imported: fastai's `DistributedDL` broadcasts each epoch's index list as a
-    CUDA tensor, which needs a GPU; on a non-NCCL process group (or none) it stays on the CPU."""
+    CUDA tensor, which needs a GPU; on a non-NCCL process group (or none) it stays on the CPU. Over a stream
+    it broadcasts a list of `None`s (a TypeError): each rank reads its own split instead."""
     ddl = fastai_class("fastai.distributed", "DistributedDL")
     if ddl is not None and getattr(ddl._broadcast, "__name__", "") != "_broadcast_idxs":
         ddl._broadcast = _broadcast_idxs
+        _DDL_ORIG.update(__len__=ddl.__len__, get_idxs=ddl.get_idxs)
+        ddl.__len__, ddl.get_idxs = _ddl_len, _ddl_get_idxs
 
 
 def _install_lazy_losses() -> None:

@@ -248,12 +248,12 @@ def _check_loaders(t, where) -> None:
 
 def _restore_loaders(learn, sv, at_save, k) -> None:
     """As at the save, or as at the epoch's start (without a stream's position: the skip reads to it); a
-    stream resumed mid-epoch then continues from where it was."""
-    states = sv["loaders_now"] if at_save else sv["loaders_epoch"]
-    for dl, st in zip(learn.dls.loaders, states):
-        loaders.restore(dl, st, at_save)
-    if k and loaders.is_stream(learn.dls.train) and loaders.has_state(learn.dls.train):
-        loaders.restore(learn.dls.train, sv["loaders_now"][0])
+    stream resumed mid-epoch from its state then continues from where it was (`loaders.stream_way`)."""
+    states, train = (sv["loaders_now"] if at_save else sv["loaders_epoch"]), learn.dls.train
+    for dl, st in zip(learn.dls.loaders, states):  # a stream's state: its position at an epoch's end, if it keeps one
+        loaders.restore(dl, st, at_save and not (k and dl is train) and loaders.keeps_position(dl))
+    if k and loaders.is_stream(train) and loaders.stream_way(train)[0] == "state":
+        loaders.restore(train, sv["loaders_now"][0])
 
 
 LOADERS = Piece(("loaders_now", "loaders_epoch"), _loaders, _check_loaders, per_rank=True, at_epoch=_restore_loaders)

@@ -117,7 +117,8 @@ class ResumeSession(Callback):
         self.rows: list = []  # the printed row of every finished epoch
         self.rng_epoch = self.loaders_epoch = self.rng_valid = self.loaders_valid = None
         self.first_iter, self.rng_action, self.resuming, self.t0 = 0, io.RNG_NONE, False, 0.0
-        self.fast_forwarding = 0  # batches `all_batches` reads and discards first (a stream without state)
+        self.fast_forwarding = 0  # batches `all_batches` reads and discards first (a stream's replay)
+        self.first_fetch = None  # once the resumed epoch's first batch is in (a stream's loaded state forgotten)
 
     def before_fit(self):
         self.t0 = time.perf_counter()
@@ -184,7 +185,10 @@ class ResumeSession(Callback):
                 f"at epoch {self.epoch}, iteration {k} " if sv is None else f"from {self.source} ",
                 whole=sv is not None and bool(sv["position"].get("loader_done")),
             )
-            loaders.before_first_batch(self.dls.train, self._restore_saved_rng)
+            if how.startswith("stream state"):
+                self.first_fetch = lambda: loaders.forget_loaded(self.dls.train)
+            if not how.startswith(("replay", "fast-forward")):  # (a replay restores it after its last batch)
+                loaders.before_first_batch(self.dls.train, self._restore_saved_rng)
             pbar = getattr(getattr(learn, "progress", None), "pbar", None)
             if pbar is not None:
                 pbar.update(k)
@@ -193,7 +197,7 @@ class ResumeSession(Callback):
             f"fastai_resume: resuming {where}at epoch {self.epoch}, iteration {k}/{n_iter} "
             f"(skip took {time.perf_counter() - self.t0:.3f}s{', ' + how if how else ''})"
         )
-        self.fast_forwarding = k if how == "fast-forward" else 0
+        self.fast_forwarding = k if how.startswith(("replay", "fast-forward")) else 0
 
     def _restore_saved_modules(self):
         "The tensors the model kept between batches when the checkpoint was saved (its hidden state)."
@@ -205,6 +209,9 @@ class ResumeSession(Callback):
 
     def batch_fetched(self):
         "Called by `all_batches` once a batch is in hand (a loader with no earlier hook)."
+        if self.first_fetch is not None:
+            f, self.first_fetch = self.first_fetch, None
+            f()
         if self.skip.pending:
             self._restore_saved_rng()
 

@@ -119,7 +119,9 @@ class Server:
         mine, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(theirs.fileno())],
-            env=env,
+            # pandas imports pyarrow where it is installed (`datasets` needs it), and pyarrow's jemalloc
+            # starts a purging thread at import: a server with two threads cannot fork
+            env=dict(env, JE_ARROW_MALLOC_CONF="background_thread:false"),
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
