@@ -20,6 +20,7 @@ imports too), and only io imports the C core.
     state.py, loaders.py,  pieces of the training state: RNG, Recorder, hidden state, gradients;
     trackers.py,           each DataLoader's iteration state and the skip of k batches; the
     callbacks.py           callbacks' state (TensorBoard's and W&B's, fastai's, the user's hooks)
+    datalog.py             what a stream fed each batch since the newest save: the evidence a rerun is checked against
     pieces.py              the training state as a table of pieces, each captured, checked, restored
     trainstate.py          a checkpoint's training state and a stage's end, built by walking the tables
     script.py              what is known about one learner's script (and the hooks that act on it)
@@ -79,6 +80,7 @@ _SUBMODULES = {
     "callbacks",
     "check",
     "checkpoint",
+    "datalog",
     "dcp",
     "dist",
     "fields",

@@ -365,6 +365,7 @@ class Saves:
         if done:
             return path  # already saved here
         self.check_inflight(files, block=True)  # at most one save in flight
+        s.saving(path)
         if dist.sharded(learn.model):  # every rank writes its own file, a manifest last
             return sharded.autosave(self, learn, files, path, background)
         if not background:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import io
+from . import datalog
 from .script import DISARM_HOOKS, STAGE_BEGIN_HOOKS, script
 
 __all__ = ["check", "CheckResult", "ENV", "probe_for"]
@@ -42,34 +42,12 @@ ENV_DIR = "FASTAI_RESUME_CHECK_DIR"  # where the runs keep their stages' end sta
 CKPT = "fastai_resume_check"
 
 
-def _text(v) -> int:
-    return io.crc32c(repr(v).encode())  # the same in every process (unlike hash())
-
-
-def _crc(t) -> int:
-    if isinstance(t, torch.Tensor):
-        t = t.detach().cpu().contiguous()
-        head = _text((str(t.dtype), tuple(t.shape)))
-        t = t.reshape(-1)
-        return io.crc32c(t.view(torch.uint8).numpy() if t.numel() else b"", head)
-    if isinstance(t, (list, tuple)):
-        c = 0
-        for x in t:
-            c = (c * 1000003) ^ _crc(x)
-        return c
-    if isinstance(t, dict):
-        return _crc([_text(k) ^ _crc(v) for k, v in t.items()])
-    if isinstance(t, (int, float, bool, str)):
-        return _text(t)
-    return 0
-
-
 def _rng_digest() -> int:
-    return _text(
+    return datalog.text_digest(
         (
-            _text(random.getstate()),
-            _crc(torch.from_numpy(np.random.get_state()[1].copy())),  # type: ignore[index]
-            _crc(torch.get_rng_state()),
+            datalog.text_digest(random.getstate()),
+            datalog.fingerprint(torch.from_numpy(np.random.get_state()[1].copy())),  # type: ignore[index]
+            datalog.fingerprint(torch.get_rng_state()),
         )
     )
 
@@ -106,7 +84,7 @@ STAGE_BEGIN_HOOKS.append(_stage_begins)
 
 def digest(v) -> int:
     "A digest of a value tree (tensors by their bytes), the same in every process."
-    return _crc(v)
+    return datalog.fingerprint(v)
 
 
 def note_between(at: int, op: str, file, digest) -> None:
@@ -117,7 +95,10 @@ def note_between(at: int, op: str, file, digest) -> None:
 def _model_opt(learn) -> list:
     "Digests of the model's state and the optimizer's."
     sd = learn.opt.state_dict()
-    return [_crc(list(learn.model.state_dict().values())), _crc(sd["state"] if isinstance(sd, dict) else [])]
+    return [
+        datalog.fingerprint(list(learn.model.state_dict().values())),
+        datalog.fingerprint(sd["state"] if isinstance(sd, dict) else []),
+    ]
 
 
 def probe_for(learn):
@@ -135,7 +116,11 @@ def probe_for(learn):
         def before_batch(self):
             if not self.training:
                 return
-            self.pre = {"rng": _rng_digest(), "data": _crc(list(self.xb) + list(self.yb)), "in": _model_opt(self.learn)}
+            self.pre = {
+                "rng": _rng_digest(),
+                "data": datalog.fingerprint(list(self.xb) + list(self.yb)),
+                "in": _model_opt(self.learn),
+            }
 
         def after_batch(self):
             n = int(os.environ.get(ENV_BATCHES, "8"))

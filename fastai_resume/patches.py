@@ -131,6 +131,8 @@ def save(self: Learner, file, with_iter=False, full=False, **kwargs):
     sc = script(self)
     if sc.stage is not None and sc.session is not None:
         sc.stage.saved_in(path.parent, path.name[: -len(io.EXT)])
+    if sc.session is not None:
+        sc.session.saving(path)
     if rank_distrib() and not dist.active():
         return  # only rank 0 writes, as fastai does
     build = lambda: checkpoint.build_tree(self, with_opt, with_iter, full)  # noqa: E731

@@ -14,7 +14,7 @@ from pathlib import Path
 from fastai.callback.core import Callback
 from fastcore.foundation import L
 
-from . import callbacks, check, dist, frozen, io, loaders, state, trainstate
+from . import callbacks, check, datalog, dist, frozen, io, loaders, state, trainstate
 from .script import Interrupted, say
 from .stages import Stage
 
@@ -119,9 +119,12 @@ class ResumeSession(Callback):
         self.first_iter, self.rng_action, self.resuming, self.t0 = 0, io.RNG_NONE, False, 0.0
         self.fast_forwarding = 0  # batches `all_batches` reads and discards first (a stream's replay)
         self.first_fetch = None  # once the resumed epoch's first batch is in (a stream's loaded state forgotten)
+        self.streamed, self.log = False, datalog.DataLog()  # a stream's batches: logged, and checked against
+        self.expect: list = []  # the ((epoch, iter), fingerprint) the saving run logged after its save
 
     def before_fit(self):
         self.t0 = time.perf_counter()
+        self.streamed = loaders.is_stream(self.dls.train)
         if self.saved is not None:
             loaders.warm(self.dls)  # only before a restore: a fresh fit draws as fastai does
         loaders.seed_workers(self.dls)
@@ -162,6 +165,30 @@ class ResumeSession(Callback):
         self.loaders_epoch = [loaders.capture(dl) for dl in self.dls.loaders]
         self.rng_valid = self.loaders_valid = None
 
+    def saving(self, path: Path) -> None:
+        "A resumable save to `path` at the position now: a stream's batches from here on go to its data log."
+        if self.streamed:
+            self.log.start(path)
+
+    def before_batch(self):
+        "A stream's batch: checked against the data log it is resumed from, then logged (`datalog`)."
+        if not (self.streamed and self.training):
+            return
+        pos = (self.epoch, self.iter)
+        while self.expect and self.expect[0][0] < pos:
+            self.expect.pop(0)  # (positions this fit does not train)
+        if not self.expect and not self.log.open:
+            return
+        got = datalog.fingerprint((*self.learn.xb, *self.learn.yb))
+        if self.expect and self.expect[0][0] == pos:
+            want = self.expect.pop(0)[1]
+            what = type(getattr(dist.unwrap_dl(self.dls.train), "dataset", None)).__name__
+            datalog.verdict(self.source, *pos, want, got, what)
+        self.log.record(*pos, got)
+
+    def after_fit(self):
+        self.log.close()
+
     def before_validate(self):
         loaders.seed_epoch(self.dls, None)
         self.rng_valid = state.rng_state()
@@ -198,6 +225,10 @@ class ResumeSession(Callback):
             f"(skip took {time.perf_counter() - self.t0:.3f}s{', ' + how if how else ''})"
         )
         self.fast_forwarding = k if how.startswith(("replay", "fast-forward")) else 0
+        if self.streamed and self.source is not None:  # the batches the saving run trained after its save
+            log = sorted(datalog.expected(self.source).items())
+            n = min(dist.exchange("datalog: the batches to check", len(log)))  # every rank checks as many
+            self.expect = log[:n]
 
     def _restore_saved_modules(self):
         "The tensors the model kept between batches when the checkpoint was saved (its hidden state)."

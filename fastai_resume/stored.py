@@ -6,6 +6,7 @@ reading it.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import secrets
@@ -107,9 +108,19 @@ def size(path) -> int:
     return sum(f.stat().st_size for f in p.iterdir() if f.is_file())
 
 
+def data_log(path: Path, rank: int) -> Path:
+    "The data log of a checkpoint (`datalog`), of one rank: removed with it."
+    return path.with_name(path.name + ".datalog" + (f".rank{rank}" if rank else ""))
+
+
 def remove(path) -> None:
-    "Remove a checkpoint, a file or a folder (its manifest first: from then on it no longer exists)."
+    "Remove a checkpoint, a file or a folder (its manifest first: from then on it no longer exists), and its data logs."
     p = Path(path)
+    for log in p.parent.glob(glob.escape(p.name) + ".datalog*"):
+        try:
+            log.unlink()
+        except FileNotFoundError:
+            pass
     if not p.is_dir():
         p.unlink()
         return

@@ -10,11 +10,12 @@ as numbers), read by fastai's `DataLoader(stream, indexed=False, n=..., num_work
 PIPELINE: `plain`; `map-filter` (`.map` then `.filter`); `shuffle` (`.shuffle(seed, buffer_size)`);
 `interleave` (`interleave_datasets` of two streams with probabilities and a seed); `stateful` (the
 `custom` stream through torchdata's `StatefulDataLoader` in fastai's `DataLoaders`); `custom` (a
-stream of the user's own with `state_dict`/`load_state_dict` and a length, one pass per `__iter__`).
+stream of the user's own with `state_dict`/`load_state_dict` and a length, one pass per `__iter__`);
+`off-by-one` (the same, whose loaded state resumes a row late: a state that does not reproduce).
 --set-epoch: a callback calls `set_epoch(epoch)` on the stream before each epoch, as scripts do.
 --ranks: under torchrun with `distrib_ctx`: the stream split with `split_dataset_by_node`.
 --die E,K: after K training batches of epoch E, save `crash` (or, with --auto, let AutoCheckpoint have
-saved) and die by SIGKILL. --load NAME: `learn.load(NAME)` at the top of the script.
+saved) and die by SIGKILL (--die-later N: N batches after that save). --load NAME: `learn.load(NAME)` at the top of the script.
 The final model, optimizer, Recorder, and the CRC of every training batch's data go to OUT.
 """
 
@@ -102,12 +103,19 @@ class CustomStream(torch.utils.data.IterableDataset):
         self.start = st["pos"]
 
 
+class OffByOne(CustomStream):
+    "A stream whose state is wrong: it resumes one row later than it was (a bug no one sees)."
+
+    def load_state_dict(self, st):
+        self.start = st["pos"] + 1
+
+
 def stream(a, files):
     import datasets
 
     datasets.disable_progress_bars()
-    if a.pipeline in ("custom", "stateful"):
-        return CustomStream(files, 640)
+    if a.pipeline in ("custom", "stateful", "off-by-one"):
+        return (OffByOne if a.pipeline == "off-by-one" else CustomStream)(files, 640)
     load = lambda fs: datasets.load_dataset("json", data_files=fs, split="train", streaming=True)  # noqa: E731
     if a.pipeline == "interleave":
         ds = datasets.interleave_datasets(
@@ -152,13 +160,16 @@ class BatchCRCs(Callback):
 class SaveAndDie(Callback):
     order = 100
 
-    def __init__(self, at, save):
-        self.at, self.save = at, save
+    def __init__(self, at, save, later=0):
+        self.at, self.save, self.later = at, save, later
 
     def after_batch(self):
-        if self.training and (self.epoch, self.iter + 1) == self.at:
-            if self.save:
-                self.learn.save("crash", with_iter=True)
+        if not self.training:
+            return
+        e, k = self.at
+        if self.save and (self.epoch, self.iter + 1) == (e, k):
+            self.learn.save("crash", with_iter=True)
+        if (self.epoch, self.iter + 1) == (e, k + self.later):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -198,7 +209,9 @@ def result(learn):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("pipeline", choices=["plain", "map-filter", "shuffle", "interleave", "stateful", "custom"])
+    ap.add_argument(
+        "pipeline", choices=["plain", "map-filter", "shuffle", "interleave", "stateful", "custom", "off-by-one"]
+    )
     ap.add_argument("--path", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--epochs", type=int, default=3)
@@ -206,6 +219,7 @@ def main(argv=None):
     ap.add_argument("--set-epoch", action="store_true")
     ap.add_argument("--ranks", action="store_true")
     ap.add_argument("--die", default=None)
+    ap.add_argument("--die-later", type=int, default=0, help="with --die E,K: save at K, die this many batches later")
     ap.add_argument("--load", default=None)
     ap.add_argument("--auto", type=int, default=0)
     ap.add_argument("--fast-forward", action="store_true")
@@ -214,7 +228,7 @@ def main(argv=None):
     if a.auto:
         learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
     if a.die:
-        learn.add_cb(SaveAndDie(tuple(map(int, a.die.split(","))), save=not a.auto))
+        learn.add_cb(SaveAndDie(tuple(map(int, a.die.split(","))), save=not a.auto, later=a.die_later))
     if a.load:
         learn.load(a.load, fast_forward=a.fast_forward)
     ctx = contextlib.nullcontext()

@@ -128,3 +128,28 @@ def test_a_stream_split_over_two_ranks_trains_and_resumes_exactly_on_every_rank(
             assert_same(ref[r], res)
         except AssertionError as e:
             raise AssertionError(f"rank {r}: {e}") from None
+
+
+# ---- beyond the libraries: the data log ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("way", ["load", "auto"])
+def test_a_stream_whose_loaded_state_does_not_reproduce_is_refused_before_training_a_batch(tmp_path, way):
+    "The killed run logged each batch it trained after its save; the rerun's first batch differs: refused."
+    later = ("--die-later", "3") if way == "load" else ()  # (AutoCheckpoint saved at 4: 3 batches before)
+    _, log = crash_and_rerun(tmp_path, "off-by-one", "1,7", *later, way=way, expect=1)
+    assert "StreamDiverged" in log and "is not the batch that run trained there" in log and "OffByOne" in log
+    assert "batch 4 of epoch 1" in log if way == "auto" else "batch 7 of epoch 1" in log
+    assert not (tmp_path / "out.frk").exists()
+
+
+def test_the_data_log_is_beside_its_checkpoint_and_goes_with_it(tmp_path):
+    "AutoCheckpoint(keep=2): the logs of the checkpoints kept, none of those removed."
+    run_stream("plain", tmp_path, tmp_path / "dead.frk", "--die", "1,7", "--auto", "4", expect=-signal.SIGKILL)
+    names = sorted(p.name for p in (tmp_path / "models").rglob("*") if p.is_file())
+    frks = [n for n in names if n.endswith(".frk")]
+    logs = [n for n in names if ".datalog" in n]
+    assert len(frks) == 2 and logs == [f + ".datalog" for f in frks], names
+    newest = (tmp_path / "models").rglob(frks[-1] + ".datalog")
+    lines = next(newest).read_text().split("\n")
+    assert [ln.split()[:2] for ln in lines if ln] == [["1", "4"], ["1", "5"], ["1", "6"]]
