@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import datalog
+from . import datalog, loaders
 from .script import DISARM_HOOKS, STAGE_BEGIN_HOOKS, script
 
 __all__ = ["check", "CheckResult", "ENV", "probe_for"]
@@ -113,6 +113,9 @@ def probe_for(learn):
 
         order = 300
 
+        def before_fit(self):
+            _append({"loader": loaders.describe(self.dls.train)})
+
         def before_batch(self):
             if not self.training:
                 return
@@ -173,19 +176,44 @@ _CAUSES = {
 }
 
 
+def _stream_cause(stream: dict, later_epoch: bool) -> str:
+    "Why a resumed stream (`loaders.describe`) gave other data: the causes told apart by where, and what the stream is."
+    name = stream.get("name", "the stream")
+    if later_epoch:
+        return (
+            f"a loaded state that sticks: the resumed epoch was right, but a later epoch of the stream ({name}) did "
+            "not start where the uninterrupted run's did: its load_state_dict() applies to every later pass, not "
+            "only the next one (forget the loaded state once a pass has begun)"
+        )
+    if stream.get("workers"):
+        return (
+            f"a state that lives in other processes: the stream ({name}) is read by {stream['workers']} worker "
+            "processes, each with its own copy; the copy whose state_dict() the checkpoint took never moved "
+            "(torchdata's StatefulDataLoader collects each worker's state)"
+        )
+    if stream.get("partial"):
+        return f"a state that does not hold everything: the stream ({name}) {stream['partial']}"
+    return (
+        f"the stream's ({name}) loaded state does not put it back where it was: its state_dict() leaves part "
+        "of its position out, or its load_state_dict() does not apply it"
+    )
+
+
 def _trace(path) -> tuple:
-    "The batches' records by key, the between-stage calls in order, and the cancelled resumes."
-    out, between, disarms = {}, [], []
+    "The batches' records by key, the between-stage calls in order, the cancelled resumes, the first fit's loader."
+    out, between, disarms, loader = {}, [], [], None
     if Path(path).exists():
         for line in Path(path).read_text().splitlines():
             r = json.loads(line)
-            if "between" in r:
+            if "loader" in r:
+                loader = loader or r["loader"]  # (the first fit's training loader: the resumed one's)
+            elif "between" in r:
                 between.append(r["between"])
             elif "disarm" in r:
                 disarms.append(r["disarm"])
             elif "key" in r:
                 out[tuple(r["key"])] = r
-    return out, between, disarms
+    return out, between, disarms, loader
 
 
 def _where(at: int, op: str) -> str:
@@ -237,7 +265,7 @@ def _started_from(ref: dict, res_between: list, key: tuple, stage: int) -> str:
 def _compare(ref, ref_between, res_t, p, kill_at) -> str | None:
     "What the resumed run (its trace `res_t`, its process `p`) does differently from the uninterrupted one."
     s, e, i = kill_at
-    res, res_between, disarms = _trace(res_t)
+    res, res_between, disarms, loader = _trace(res_t)
     if disarms:
         return (
             f"the resume was cancelled: {disarms[0]}. A load between stages that the uninterrupted run did not "
@@ -259,6 +287,12 @@ def _compare(ref, ref_between, res_t, p, kill_at) -> str | None:
             if r.get(field) != ref[key].get(field):
                 if field == "in" and key == first:
                     return _started_from(ref, res_between, key, s)
+                stream = loader or {}
+                if field == "data" and stream.get("stream"):
+                    return (
+                        f"first difference at stage {key[0]}, fit {key[1]}, epoch {key[2]}, batch {key[3]}: data. "
+                        f"Cause: {_stream_cause(stream, key[2] > e and first is not None and first[2] == e)}."
+                    )
                 return (
                     f"first difference at stage {key[0]}, fit {key[1]}, epoch {key[2]}, "
                     f"batch {key[3]}: {field}. Likely cause: {_CAUSES[field]}."
@@ -303,7 +337,7 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
                 f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}",
                 None,
             )
-        ref, ref_between, _ = _trace(ref_t)
+        ref, ref_between, _, _ = _trace(ref_t)
         if not ref:
             return CheckResult(False, "the script trained no batch under fastai (no fit was seen)", None)
         if kill_at is None:

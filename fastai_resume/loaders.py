@@ -204,6 +204,11 @@ def _dataset(dl):
     return getattr(unwrap_dl(dl), "dataset", None)
 
 
+def _workers(dl) -> int:
+    "The worker processes that read `dl` (fastai's loader keeps the count in its `_FakeLoader`)."
+    return getattr(getattr(dl, "fake_l", None) if is_fastai(dl) else dl, "num_workers", 0) or 0
+
+
 def keeps_position(dl) -> bool:
     "Does a stream's state at an epoch's end say where its next epoch starts (not a stream that restarts each pass)?"
     return not streams.restarts_each_pass(_dataset(dl))
@@ -215,8 +220,7 @@ def stream_way(dl, fast_forward: bool = False) -> tuple[str, str]:
     discarded up to the position), `fast-forward` (the same, vouched for by the user) or `refuse`."""
     dl = unwrap_dl(dl)
     ds, owner = _dataset(dl), _state_owner(dl)
-    workers = getattr(dl, "fake_l", None) if is_fastai(dl) else dl
-    workers = getattr(workers, "num_workers", 0) or 0
+    workers = _workers(dl)
     in_workers = owner is not None and owner is not dl and workers > 0
     if owner is not None and not in_workers and streams.partial_state(ds) is None:
         return "state", ""
@@ -249,6 +253,20 @@ def _refusal(dl, why, where, k) -> str:
         "(learn.load(..., fast_forward=True) / AutoCheckpoint(fast_forward=True)) to read and discard the skipped "
         "batches; or fit with start_iter=0 to restart the epoch."
     )
+
+
+def describe(dl) -> dict:
+    "What `fastai-resume check` tells a stream's resume by: its name, worker processes, what its state leaves out."
+    u = unwrap_dl(dl)
+    if not is_stream(u):
+        return {"stream": False}
+    ds = _dataset(u)
+    return {
+        "stream": True,
+        "name": type(ds if ds is not None else u).__name__,
+        "workers": _workers(u) if _state_owner(u) is not u else 0,  # (a StatefulDataLoader's state holds its workers')
+        "partial": streams.partial_state(ds),
+    }
 
 
 def forget_loaded(dl) -> None:

@@ -11,7 +11,8 @@ PIPELINE: `plain`; `map-filter` (`.map` then `.filter`); `shuffle` (`.shuffle(se
 `interleave` (`interleave_datasets` of two streams with probabilities and a seed); `stateful` (the
 `custom` stream through torchdata's `StatefulDataLoader` in fastai's `DataLoaders`); `custom` (a
 stream of the user's own with `state_dict`/`load_state_dict` and a length, one pass per `__iter__`);
-`off-by-one` (the same, whose loaded state resumes a row late: a state that does not reproduce).
+`off-by-one` (the same, whose loaded state resumes a row late: a state that does not reproduce);
+`sticky` (the same, whose loaded state applies to every later pass).
 --set-epoch: a callback calls `set_epoch(epoch)` on the stream before each epoch, as scripts do.
 --ranks: under torchrun with `distrib_ctx`: the stream split with `split_dataset_by_node`.
 --die E,K: after K training batches of epoch E, save `crash` (or, with --auto, let AutoCheckpoint have
@@ -59,7 +60,7 @@ def write_shards(folder):
 
     d = load_digits()
     for s, name in enumerate(names):
-        tmp = name + ".tmp"
+        tmp = f"{name}.tmp{os.getpid()}"  # (ranks write them at once)
         with open(tmp, "w") as f:
             for i in range(s, ROWS, N_SHARDS):
                 f.write(json.dumps({"id": i, "x": [float(v) / 16 for v in d.data[i]], "y": int(d.target[i])}) + "\n")
@@ -103,6 +104,17 @@ class CustomStream(torch.utils.data.IterableDataset):
         self.start = st["pos"]
 
 
+class Sticky(CustomStream):
+    "A stream whose loaded state applies to every later pass, as a `datasets` stream's does (unknown here)."
+
+    def __iter__(self):
+        rows = [json.loads(line) for f in self.files for line in open(f)]
+        self.pos = self.start
+        for r in rows[self.start : self.n]:
+            self.pos += 1
+            yield r
+
+
 class OffByOne(CustomStream):
     "A stream whose state is wrong: it resumes one row later than it was (a bug no one sees)."
 
@@ -114,8 +126,8 @@ def stream(a, files):
     import datasets
 
     datasets.disable_progress_bars()
-    if a.pipeline in ("custom", "stateful", "off-by-one"):
-        return (OffByOne if a.pipeline == "off-by-one" else CustomStream)(files, 640)
+    if a.pipeline in ("custom", "stateful", "off-by-one", "sticky"):
+        return {"off-by-one": OffByOne, "sticky": Sticky}.get(a.pipeline, CustomStream)(files, 640)
     load = lambda fs: datasets.load_dataset("json", data_files=fs, split="train", streaming=True)  # noqa: E731
     if a.pipeline == "interleave":
         ds = datasets.interleave_datasets(
@@ -210,7 +222,8 @@ def result(learn):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "pipeline", choices=["plain", "map-filter", "shuffle", "interleave", "stateful", "custom", "off-by-one"]
+        "pipeline",
+        choices=["plain", "map-filter", "shuffle", "interleave", "stateful", "custom", "off-by-one", "sticky"],
     )
     ap.add_argument("--path", required=True)
     ap.add_argument("--out", required=True)

@@ -13,6 +13,7 @@ import pytest
 from procs import ENV, FORKS, HERE, equal, shared_run
 
 import fastai_resume as fr
+from fastai_resume.check import check
 
 SCRIPT = os.path.join(HERE, "streams.py")
 
@@ -32,10 +33,10 @@ def stream_reference(tmp_root, pipeline, *args):
     return shared_run(tmp_root, name, lambda d: run_stream(pipeline, d, os.path.join(d, "out.frk"), *args))[0]
 
 
-def crash_and_rerun(tmp_path, pipeline, die, *args, way="load", expect=0):
+def crash_and_rerun(tmp_path, pipeline, die, *args, way="load", expect=0, every="4"):
     "Killed after `die` (epoch,k), then the same script again: its result and what it printed."
-    save = ("--auto", "4") if way == "auto" else ()
-    rerun = ("--auto", "4") if way == "auto" else ("--load", "crash")
+    save = ("--auto", every) if way == "auto" else ()
+    rerun = ("--auto", every) if way == "auto" else ("--load", "crash")
     run_stream(pipeline, tmp_path, tmp_path / "dead.frk", "--die", die, *save, *args, expect=-signal.SIGKILL)
     log = run_stream(pipeline, tmp_path, tmp_path / "out.frk", *rerun, *args, expect=expect)
     return (fr.load(tmp_path / "out.frk") if expect == 0 else None), log
@@ -69,10 +70,22 @@ def test_a_datasets_stream_resumes_exactly(tmp_root, tmp_path, pipeline, args, w
 
 
 @pytest.mark.parametrize("pipeline", ["plain", "shuffle"])
-def test_a_stream_read_by_worker_processes_resumes_exactly(tmp_root, tmp_path, pipeline):
+def test_a_stream_resumed_at_an_epoch_boundary_starts_its_next_epoch_where_the_uninterrupted_run_did(
+    tmp_root, tmp_path, pipeline
+):
+    "AutoCheckpoint's epoch-end save (no save by iterations): a stream's end-of-pass state is no position."
+    ref = stream_reference(tmp_root, pipeline)
+    res, log = crash_and_rerun(tmp_path, pipeline, "1,3", way="auto", every="1000")
+    assert "at epoch 1, iteration 0/" in log
+    assert_same(ref, res)
+
+
+@pytest.mark.parametrize("way", ["load", "auto"])
+@pytest.mark.parametrize("pipeline", ["plain", "shuffle"])
+def test_a_stream_read_by_worker_processes_resumes_exactly(tmp_root, tmp_path, pipeline, way):
     "The state lives in the workers: the main process's copy never moves (fails before the fix)."
     ref = stream_reference(tmp_root, pipeline, "--workers", "2")
-    res, log = crash_and_rerun(tmp_path, pipeline, "0,9", "--workers", "2")
+    res, log = crash_and_rerun(tmp_path, pipeline, "0,9", "--workers", "2", way=way)
     assert "replay" in log
     assert_same(ref, res)
 
@@ -144,12 +157,36 @@ def test_a_stream_whose_loaded_state_does_not_reproduce_is_refused_before_traini
 
 
 def test_the_data_log_is_beside_its_checkpoint_and_goes_with_it(tmp_path):
-    "AutoCheckpoint(keep=2): the logs of the checkpoints kept, none of those removed."
+    "AutoCheckpoint(keep=2): the newest checkpoint's log holds the batches trained after it; a removed one's is gone."
     run_stream("plain", tmp_path, tmp_path / "dead.frk", "--die", "1,7", "--auto", "4", expect=-signal.SIGKILL)
     names = sorted(p.name for p in (tmp_path / "models").rglob("*") if p.is_file())
     frks = [n for n in names if n.endswith(".frk")]
     logs = [n for n in names if ".datalog" in n]
-    assert len(frks) == 2 and logs == [f + ".datalog" for f in frks], names
+    assert frks and set(logs) <= {f + ".datalog" for f in frks}, names  # none left of a removed checkpoint
+    assert frks[-1] + ".datalog" in logs, names
     newest = (tmp_path / "models").rglob(frks[-1] + ".datalog")
     lines = next(newest).read_text().split("\n")
     assert [ln.split()[:2] for ln in lines if ln] == [["1", "4"], ["1", "5"], ["1", "6"]]
+
+
+# ---- `fastai-resume check` names the cause ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pipeline,args,cause",
+    [
+        (
+            "sticky",
+            (),
+            "a loaded state that sticks: the resumed epoch was right, but a later epoch of the stream (Sticky)",
+        ),
+        ("custom", ("--workers", "2"), "its position lives in the 2 worker processes that read it"),
+    ],
+    ids=["sticky", "workers"],
+)
+def test_check_names_a_streams_cause(tmp_path, pipeline, args, cause):
+    "A user's stream whose state sticks, or one read by workers (refused at once, saying why): the check says which."
+    r = check(
+        SCRIPT, [pipeline, "--path", str(tmp_path), "--out", str(tmp_path / "o.frk"), *args], batches=6, cwd=tmp_path
+    )
+    assert not r.ok and cause in r.message, r.message
