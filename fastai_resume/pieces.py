@@ -506,8 +506,8 @@ def _end_loaders(now: Now) -> dict:
 
 
 def _restore_end_loaders(learn, end) -> None:
-    for dl, ld in zip(learn.dls.loaders, end["loaders"]):
-        loaders.restore(dl, ld)
+    for dl, ld in zip(learn.dls.loaders, end["loaders"]):  # (a stream that restarts each pass: no position)
+        loaders.restore(dl, ld, loaders.keeps_position(dl))
 
 
 END_LOADERS = Piece(

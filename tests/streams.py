@@ -15,6 +15,7 @@ stream of the user's own with `state_dict`/`load_state_dict` and a length, one p
 `sticky` (the same, whose loaded state applies to every later pass).
 --set-epoch: a callback calls `set_epoch(epoch)` on the stream before each epoch, as scripts do.
 --ranks: under torchrun with `distrib_ctx`: the stream split with `split_dataset_by_node`.
+--stages: `fit_one_cycle(1)` first, as `fine_tune` fits twice (--die then counts in the second stage).
 --die E,K: after K training batches of epoch E, save `crash` (or, with --auto, let AutoCheckpoint have
 saved) and die by SIGKILL (--die-later N: N batches after that save). --load NAME: `learn.load(NAME)` at the top of the script.
 The final model, optimizer, Recorder, and the CRC of every training batch's data go to OUT.
@@ -231,6 +232,7 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--set-epoch", action="store_true")
     ap.add_argument("--ranks", action="store_true")
+    ap.add_argument("--stages", action="store_true", help="a fit of one epoch first (a second stage, as fine_tune)")
     ap.add_argument("--die", default=None)
     ap.add_argument("--die-later", type=int, default=0, help="with --die E,K: save at K, die this many batches later")
     ap.add_argument("--load", default=None)
@@ -250,6 +252,8 @@ def main(argv=None):
 
         ctx = learn.distrib_ctx(cpu=True)
     with ctx, learn.no_bar():
+        if a.stages:  # fine_tune's shape: a stage, then another fit of the same stream
+            learn.fit_one_cycle(1, 1e-2)
         learn.fit_one_cycle(a.epochs, 1e-2)
     res = result(learn)
     rank = os.environ.get("RANK")

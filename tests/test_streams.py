@@ -190,3 +190,17 @@ def test_check_names_a_streams_cause(tmp_path, pipeline, args, cause):
         SCRIPT, [pipeline, "--path", str(tmp_path), "--out", str(tmp_path / "o.frk"), *args], batches=6, cwd=tmp_path
     )
     assert not r.ok and cause in r.message, r.message
+
+
+@pytest.mark.parametrize("way", ["load", "auto"])
+@pytest.mark.parametrize(
+    "pipeline,args",
+    [("plain", ()), ("plain", ("--workers", "2")), ("shuffle", ())],
+    ids=["plain", "workers", "shuffle"],
+)
+def test_a_stream_killed_in_a_second_stage_resumes_exactly(tmp_root, tmp_path, pipeline, args, way):
+    "The first stage passed: its end state must not leave the stream where that stage ended (sticky)."
+    ref = stream_reference(tmp_root, pipeline, "--stages", *args)
+    res, log = crash_and_rerun(tmp_path, pipeline, "1,7", "--stages", *args, way=way)
+    assert "resuming" in log
+    assert_same(ref, res)
