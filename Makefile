@@ -106,6 +106,7 @@ bench: build
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py
 	$(PY) bench/sharded.py
 	$(PY) bench/llm.py
+	$(PY) bench/streams.py
 	$(PY) bench/report.py
 
 clean:
