@@ -37,11 +37,11 @@ lint: $(STAMP) | sysdeps
 
 build/test_core: csrc/tests/test_core.c $(CORE) $(CORE_H) | sysdeps
 	mkdir -p build
-	clang $(CFLAGS_SAN) -pthread -Icsrc csrc/tests/test_core.c $(CORE) -o $@
+	clang $(CFLAGS_SAN) -pthread -Icsrc csrc/tests/test_core.c $(CORE) -ldl -o $@
 
 build/fuzz_reader: csrc/tests/fuzz_reader.c $(CORE) $(CORE_H) | sysdeps
 	mkdir -p build
-	clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -pthread -Icsrc csrc/tests/fuzz_reader.c $(CORE) -o $@
+	clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -pthread -Icsrc csrc/tests/fuzz_reader.c $(CORE) -ldl -o $@
 
 ctest: build/test_core
 	./build/test_core
