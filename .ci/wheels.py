@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The wheels a user installs without a compiler (`make wheels`; `make matrix` installs and tests them).
 
-`python -m build` makes the sdist and, from it with the machine's gcc, a wheel for the first Python:
-the check that the sdist builds where a compiler is. Then, from the same sdist, pip builds one
+`python -m build` makes the sdist and, from it with the machine's compiler (gcc), a wheel: the check
+that the sdist builds where a compiler is (that wheel is then dropped). Then, from the same sdist, pip builds one
 wheel per Python pyproject.toml claims with zig's C compiler (PyPI's `ziglang`) against glibc
 2.28's symbols, whatever the build machine's glibc; `auditwheel show` names the widest manylinux
 tag the wheel may have, `auditwheel repair --plat` gives it that tag (it grafts nothing: the core
@@ -192,8 +192,8 @@ def build(pythons, find_python):
 
 
 def ensure(force=False) -> dict:
-    """build/wheels/wheels.json, with its wheels and sdist paths made absolute: built now unless
-    the last build was of these sources."""
+    """build/wheels/wheels.json, with each wheel's path (`paths`): built now unless the last build
+    was of these sources."""
     from matrix import find_python, pythons
 
     res = None
@@ -207,7 +207,6 @@ def ensure(force=False) -> dict:
             log(f"{len(res['wheels'])} wheels of these sources in {os.path.relpath(DIST, ROOT)}: kept")
     res = res or build(pythons(), find_python)
     res["paths"] = {py: os.path.join(DIST, w["wheel"]) for py, w in res["wheels"].items()}
-    res["sdist_path"] = os.path.join(DIST, res["sdist"])
     return res
 
 

@@ -39,6 +39,21 @@ def test_every_claimed_python_ran_with_the_newest_and_the_oldest_stack_and_passe
         assert r["installed"]["core"].startswith("fastai_resume/_core.cpython-"), r["name"]  # the wheel's own
 
 
+def test_every_row_installed_its_pythons_manylinux_wheel_tagged_what_auditwheel_allows(res):
+    """`make wheels` tagged each wheel what `auditwheel show` allowed it, no narrower than torch's
+    manylinux_2_28, and each row installed its own Python's, with no compiler on PATH."""
+    assert list(res["wheels"]) == matrix.pythons()
+    for py, w in res["wheels"].items():
+        tag = f"cp{py.replace('.', '')}"
+        assert w["wheel"] == f"fastai_resume-{res['rows'][0]['installed']['version']}-{tag}-{tag}-{w['tag']}.whl"
+        m = re.fullmatch(r"manylinux_2_(\d+)_x86_64", w["tag"])
+        assert m and int(m.group(1)) <= 28 and w["glibc"] == f"2.{m.group(1)}", w
+        assert 0 < w["bytes"] < 1 << 20, w  # the package and its core: no grafted library, no build tree
+    for r in res["rows"]:
+        assert r["wheel"] == res["wheels"][r["python"].rsplit(".", 1)[0]]["wheel"], r["name"]
+        assert 0 < r["seconds"]["install"] < r["seconds"]["setup"], r["name"]
+
+
 def test_the_newest_rows_ran_what_constraints_dev_pins(res):
     pinned = dict(p.split("==") for p in matrix.pins("newest"))
     for r in res["rows"]:
