@@ -41,7 +41,7 @@ def test_every_claimed_python_ran_with_the_newest_and_the_oldest_stack_and_passe
 
 def test_every_row_installed_its_pythons_manylinux_wheel_tagged_what_auditwheel_allows(res):
     """`make wheels` tagged each wheel what `auditwheel show` allowed it, no narrower than torch's
-    manylinux_2_28, and each row installed its own Python's, with no compiler on PATH."""
+    manylinux_2_28, and each row had pip install its own Python's (with no compiler on PATH: below)."""
     assert list(res["wheels"]) == matrix.pythons()
     for py, w in res["wheels"].items():
         tag = f"cp{py.replace('.', '')}"
@@ -52,6 +52,18 @@ def test_every_row_installed_its_pythons_manylinux_wheel_tagged_what_auditwheel_
     for r in res["rows"]:
         assert r["wheel"] == res["wheels"][r["python"].rsplit(".", 1)[0]]["wheel"], r["name"]
         assert 0 < r["seconds"]["install"] < r["seconds"]["setup"], r["name"]
+
+
+def test_a_rows_install_refuses_a_path_with_a_compiler(tmp_path):
+    (tmp_path / "bin").mkdir()
+    for name in ("cc", "python"):  # a compiler, and a venv's python that fails whatever it is asked
+        (tmp_path / "bin" / name).write_text("#!/bin/sh\nexit 3\n")
+        (tmp_path / "bin" / name).chmod(0o755)
+    with pytest.raises(SystemExit, match=r"a compiler on the install's PATH: \['cc'\]"):
+        matrix.install_without_compiler("row", str(tmp_path), "fastai_resume-0-cp311-cp311-x.whl", "c.txt", "r.json")
+    (tmp_path / "bin" / "cc").unlink()  # the control: without it the check passes, and pip is what fails
+    with pytest.raises(SystemExit, match=r"pip install .* failed \(3\)"):
+        matrix.install_without_compiler("row", str(tmp_path), "fastai_resume-0-cp311-cp311-x.whl", "c.txt", "r.json")
 
 
 def test_the_newest_rows_ran_what_constraints_dev_pins(res):
