@@ -24,10 +24,9 @@ setup(
                 "-Wextra",
                 "-Wno-missing-field-initializers",
                 "-Wno-cast-function-type",
-                "-fopenmp",  # the snapshot copy's team (csrc/crc32c.c), used beside torch's own runtime only
             ],
-            extra_link_args=["-fopenmp"],
-            libraries=["pthread"],
+            # no OpenMP runtime linked: the snapshot copy's team runs on torch's, found with dlopen (csrc/crc32c.c)
+            libraries=["pthread", "dl"],
         )
     ]
 )

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The supported matrix, tested as users install the package (`make matrix`; CI runs it last).
 
-`python -m build` makes the sdist and, from it, the wheel for Python 3.11; pip builds the wheels of
-the other Pythons from the same sdist. Each row, a Python with the newest or the oldest stack the
-package claims, installs its wheel with pip into a clean venv and runs, from a copy of the checkout
-without the package (so the tests import the installed one), the subset that proves the package
-works there: `TESTS`, less the tests marked `slow`. The C core's own tests are `make ctest`'s (the
-core is plain C: they do not depend on the Python).
+The wheels are `make wheels`' (.ci/wheels.py: manylinux, one per Python, built with zig cc from the
+sdist; built here unless build/wheels/ holds those of these sources). Each row, a Python with the
+newest or the oldest stack the package claims, has pip install the package into a clean venv from
+the wheels' folder with no compiler on PATH and binaries only (it must take that Python's wheel),
+and runs, from a copy of the checkout without the package (so the tests import the installed one),
+the subset that proves the package works there: `TESTS`, less the tests marked `slow`. The C
+core's own tests are `make ctest`'s (the core is plain C: they do not depend on the Python).
 
     newest: constraints-dev.txt's pins (torch, torchvision, fastai: what CI's dev venv runs)
     oldest: the lower bound of every dependency in pyproject.toml that has one, and the
@@ -42,6 +43,7 @@ import tomllib
 import xml.etree.ElementTree as ET
 import zipfile
 
+import wheels
 from envs import CACHE, clean_venv, environment, lines, prune_cache, sh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,51 +112,6 @@ def log(msg):
     print(f"[matrix {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def build_dists(versions):
-    """The sdist and, built from it, one wheel per Python: {version: wheel path}, and the sdist.
-    `python -m build` (sdist, then the wheel from the unpacked sdist) for the first Python; pip
-    for the others, from the same sdist, as a user without a matching wheel would."""
-    dist = os.path.join(BUILD, "dist")
-    shutil.rmtree(dist, ignore_errors=True)
-    tools = os.path.join(BUILD, "tools")
-    first = find_python(versions[0])
-    tpy = os.path.join(tools, "bin", "python")
-    if not os.path.exists(tpy) or subprocess.run([tpy, "-c", "import build"], capture_output=True).returncode:
-        shutil.rmtree(tools, ignore_errors=True)
-        sh([first, "-m", "venv", tools])
-        sh([tpy, "-m", "pip", "install", "-q", "build"])
-    sh([tpy, "-m", "build", "-o", dist, ROOT])
-    (sdist,) = glob.glob(os.path.join(dist, "*.tar.gz"))
-    for v in versions[1:]:
-        sh([find_python(v), "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, sdist])
-    wheels = {}
-    for v in versions:
-        tag = "cp" + v.replace(".", "")
-        (wheels[v],) = glob.glob(os.path.join(dist, f"fastai_resume-*-{tag}-{tag}-*.whl"))
-    check_dists(sdist, wheels)
-    return sdist, wheels
-
-
-def check_dists(sdist, wheels):
-    "The sdist holds every tracked file of csrc/ and the format's spec; each wheel, the built core."
-    import tarfile
-
-    with tarfile.open(sdist) as t:
-        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    tracked = sh(["git", "ls-files", "csrc", "docs/FORMAT.md"], cwd=ROOT).split()
-    missing = sorted(set(tracked) - names)
-    if missing or not tracked:
-        sys.exit(f"matrix: the sdist lacks {missing}")
-    for v, whl in wheels.items():
-        members = zipfile.ZipFile(whl).namelist()
-        core = f"fastai_resume/_core.cpython-{v.replace('.', '')}-"
-        if (
-            not any(m.startswith(core) and m.endswith(".so") for m in members)
-            or "fastai_resume/py.typed" not in members
-        ):
-            sys.exit(f"matrix: {os.path.basename(whl)} lacks the core or py.typed: {members}")
-
-
 def requirements(whl):
     "The wheel's own requirements (its extras left out), as pip reads them."
     with zipfile.ZipFile(whl) as z:
@@ -187,6 +144,37 @@ print(json.dumps(dict(v, python=platform.python_version(), version=fastai_resume
 """
 
 
+COMPILERS = ("cc", "gcc", "clang", "c99", "tcc", "zig")
+
+
+def install_without_compiler(name, venv, wheel, constraints, report):
+    """pip installs the package by name, as from an index, from the folder of the wheels (every
+    Python's, and the sdist): with no compiler on PATH (the venv's bin/ only), no CC, binaries
+    only. It must take this Python's manylinux wheel and install nothing else. Returns the seconds
+    pip took."""
+    path = os.path.join(venv, "bin")
+    found = [c for c in COMPILERS if shutil.which(c, path=path)]
+    if found:
+        sys.exit(f"matrix: {name}: a compiler on the install's PATH: {found}")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "CC", "CXX", "LDSHARED")}
+    env["PATH"] = path
+    version = os.path.basename(wheel).split("-")[1]
+    cmd = [os.path.join(path, "python"), "-m", "pip", "install", "-q", "--no-index", "--only-binary", ":all:"]
+    t0 = time.monotonic()
+    links = ["--find-links", os.path.dirname(wheel)]
+    sh([*cmd, *links, f"fastai-resume=={version}", "-c", constraints, "--report", report], env=env)
+    seconds = time.monotonic() - t0
+    with open(report) as f:
+        installed = json.load(f)["install"]
+    names = sorted(i["metadata"]["name"] for i in installed)
+    if names != ["fastai-resume"]:  # the environment is the wheel's requirements: nothing else to add
+        sys.exit(f"matrix: {name}: installing the wheel also installed {names}")
+    url = installed[0]["download_info"]["url"]
+    if os.path.basename(url) != os.path.basename(wheel):
+        sys.exit(f"matrix: {name}: pip took {url}, not {os.path.basename(wheel)}")
+    return seconds
+
+
 def run_row(py, stack, wheel, tree):
     name = f"py{py}-{stack}"
     out = os.path.join(BUILD, name)
@@ -198,11 +186,7 @@ def run_row(py, stack, wheel, tree):
     clean_venv(env, venv)
     vpy = os.path.join(venv, "bin", "python")
     report = os.path.join(out, "install.json")
-    sh([vpy, "-m", "pip", "install", "-q", "--report", report, wheel, "-c", os.path.join(env, "constraints.txt")])
-    with open(report) as f:
-        installed = sorted(i["metadata"]["name"] for i in json.load(f)["install"])
-    if installed != ["fastai-resume"]:  # the environment is the wheel's requirements: nothing else to add
-        sys.exit(f"matrix: {name}: installing the wheel also installed {installed}")
+    t_install = install_without_compiler(name, venv, wheel, os.path.join(env, "constraints.txt"), report)
     sh([vpy, "-m", "pip", "check"])
     t1 = time.monotonic()
     env_vars = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -231,7 +215,11 @@ def run_row(py, stack, wheel, tree):
         "skipped": counts["skipped"],
         "pytest_rc": rc,
         "environment": {"name": os.path.basename(env), "installed_now": built},
-        "seconds": {"setup": round(t1 - t0, 1), "tests": round(time.monotonic() - t1, 1)},
+        "seconds": {
+            "setup": round(t1 - t0, 1),  # the venv, then pip installing the wheel into it (`install`)
+            "install": round(t_install, 1),
+            "tests": round(time.monotonic() - t1, 1),
+        },
     }
     assert probe["version"] == probe["fastai-resume"], probe  # the wheel's metadata is the package's own
     log(f"{name}: {row['passed']} passed, {row['failed']} failed, {row['skipped']} skipped {row['seconds']}")
@@ -252,9 +240,13 @@ def render(res) -> str:
             f"| {r['stack']} | {copy} | {tests} |"
         )
     wheel = re.sub(r"-cp\d+-cp\d+-", "-cpXY-cpXY-", res["rows"][0]["wheel"])
+    kib = sorted({round(w["bytes"] / 1024) for w in res["wheels"].values()})
+    size = f"{kib[0]}" if len(kib) == 1 else f"{kib[0]} to {kib[-1]}"
     out += [
         "",
-        f"Each row: the wheel of its Python (`{wheel}`) installed by pip into a clean venv, then "
+        f"Each row: the wheel of its Python (`{wheel}`, {size} KiB, "
+        "`make wheels`) installed by pip into a clean venv "
+        "with no compiler on PATH (`--no-index --only-binary :all:`), then "
         + ", ".join(f"`{t}`" for t in res["tests"])
         + f" (`-m '{res['select']}'`), run from a copy of the checkout without the package"
         + f" ({res['platform']}, `{res['command']}`, `.ci/matrix.json`).",
@@ -298,19 +290,19 @@ def main():
     every = [(py, st) for py in pythons() for st in STACKS]
     rows = [tuple(r.split(":")) for r in a.rows] if a.rows else every
     prune_cache()
-    log(f"building the sdist and the wheels for Python {', '.join(pythons())}")
-    sdist, wheels = build_dists(pythons())
+    built = wheels.ensure()
     tree = checkout_copy()
     t_build = time.monotonic() - t0
-    log(f"{os.path.basename(sdist)} and {len(wheels)} wheels in {t_build:.0f} s; environments in {CACHE}")
-    out = [run_row(py, st, wheels[py], tree) for py, st in rows]
+    log(f"{built['sdist']} and {len(built['wheels'])} wheels in {t_build:.0f} s; environments in {CACHE}")
+    out = [run_row(py, st, built["paths"][py], tree) for py, st in rows]
     res = {
         "command": "make matrix",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "platform": f"{platform.system().lower()} {platform.machine()}",
         "cores": os.cpu_count(),
         "loadavg": {"start": load0, "end": round(os.getloadavg()[0], 1)},  # a machine shared with other work
-        "sdist": os.path.basename(sdist),
+        "sdist": built["sdist"],
+        "wheels": built["wheels"],  # per Python: its tag, the tag auditwheel allows, its glibc, its size
         "tests": TESTS,
         "select": SELECT,
         "rows": out,

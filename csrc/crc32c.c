@@ -4,11 +4,9 @@
  * that checksums what it copies. */
 #include "frk.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -89,10 +87,12 @@ static void make_shift_table(uint32_t (*raw)(uint32_t, const unsigned char *, si
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <nmmintrin.h>
 #define HAVE_HW 1
-__attribute__((target("sse4.2"))) static uint32_t raw_hw(uint32_t c, const unsigned char *p,
-                                                         size_t n)
+/* "crc32": newer clang (zig cc's) no longer takes the CRC instructions as part of "sse4.2" */
+__attribute__((target("sse4.2,crc32"))) static uint32_t raw_hw(uint32_t c, const unsigned char *p,
+                                                               size_t n)
 {
     while (n && ((uintptr_t)p & 7)) {
         c = _mm_crc32_u8(c, *p++);
@@ -121,10 +121,12 @@ __attribute__((target("sse4.2"))) static uint32_t raw_hw(uint32_t c, const unsig
         c = _mm_crc32_u8(c, *p++);
     return c;
 }
+/* CPUID rather than __builtin_cpu_supports, whose __cpu_model zig's linker cannot reach from a
+ * shared object (the wheels are built with zig cc) */
 static int cpu_has_hw(void)
 {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("sse4.2");
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_SSE4_2);
 }
 #define HW_NAME "sse4.2"
 #elif defined(__aarch64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
@@ -316,66 +318,100 @@ static void *copy_crc_thread(void *arg)
     return NULL;
 }
 
-#ifdef _OPENMP
-/* Whether the split copy runs on OpenMP's threads (frk_copy_use_openmp). */
-static atomic_int copy_openmp;
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+/* The split copy on an OpenMP team, on the runtime the process already has: torch's libgomp.so.1.
+ * The core is built without OpenMP and links no runtime (a wheel would have to carry its own, a
+ * second pool beside torch's); it calls libgomp's ABI, what gcc emits for `#pragma omp parallel`,
+ * resolved at run time from the loaded library (frk_copy_use_openmp). */
+typedef struct {
+    void (*parallel)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
+    int (*thread_num)(void);
+    int (*num_threads)(void);
+    int (*max_threads)(void);
+    int (*in_parallel)(void);
+} gomp_abi;
+
+static gomp_abi gomp;          /* filled once, under gomp_lock, before copy_openmp is first set */
+static atomic_int copy_openmp; /* whether the split copy runs on the team */
+static pthread_mutex_t gomp_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* libgomp has no fork handler: a forked child's first parallel region would wait for the parent's
  * pool threads, which the child does not have. A child's copies take a thread of their own. */
 static void copy_openmp_off(void) { atomic_store(&copy_openmp, 0); }
 
-static void register_atfork(void) { pthread_atfork(NULL, NULL, copy_openmp_off); }
-#endif
+/* libgomp's entry points, from the libgomp.so.1 already loaded (RTLD_NOLOAD: never loaded here). */
+static int resolve_gomp(void)
+{
+    if (gomp.parallel)
+        return 1;
+    void *lib = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD); /* kept open: the process's own */
+    if (!lib)
+        return 0;
+    gomp_abi g;
+    g.parallel = (__typeof__(g.parallel))dlsym(lib, "GOMP_parallel");
+    g.thread_num = (__typeof__(g.thread_num))dlsym(lib, "omp_get_thread_num");
+    g.num_threads = (__typeof__(g.num_threads))dlsym(lib, "omp_get_num_threads");
+    g.max_threads = (__typeof__(g.max_threads))dlsym(lib, "omp_get_max_threads");
+    g.in_parallel = (__typeof__(g.in_parallel))dlsym(lib, "omp_in_parallel");
+    if (!g.parallel || !g.thread_num || !g.num_threads || !g.max_threads || !g.in_parallel) {
+        dlclose(lib);
+        return 0;
+    }
+    pthread_atfork(NULL, NULL, copy_openmp_off);
+    gomp = g;
+    return 1;
+}
 
 int frk_copy_use_openmp(int on)
 {
-#ifdef _OPENMP
-    pthread_once(&atfork_once, register_atfork);
-    atomic_store(&copy_openmp, on != 0);
-    return on != 0;
-#else
-    (void)on;
-    return 0;
-#endif
+    pthread_mutex_lock(&gomp_lock);
+    on = on && resolve_gomp();
+    atomic_store(&copy_openmp, on); /* sequentially consistent: gomp is filled before it reads 1 */
+    pthread_mutex_unlock(&gomp_lock);
+    return on;
 }
 
-#ifdef _OPENMP
-/* The split copy on an OpenMP team: where the core's OpenMP runtime is the one torch's own
- * threads come from, the second half goes to a worker of torch's pool, which after each parallel
- * region of a training step spins for milliseconds waiting for the next one, and takes this region
- * at once. A thread of our own shared that core with the spinning worker: 205 MB in 22-25 ms inside
- * a fit against 16-17 ms this way. The team is the pool's own size (no num_threads clause: a
- * smaller team makes libgomp end the pool's threads left over, which torch avoids for that reason,
- * pytorch#32008); threads 0 and 1 copy, any others pass. */
+typedef struct {
+    void *dst;
+    const void *src;
+    size_t len, half;
+    uint32_t crc[2];
+    int team;
+} team_job;
+
+static void copy_team_member(void *arg)
+{
+    team_job *j = arg;
+    int id = gomp.thread_num();
+    if (id == 0) {
+        j->team = gomp.num_threads();
+        j->crc[0] = copy_crc_one(j->dst, j->src, j->team == 1 ? j->len : j->half);
+    } else if (id == 1) {
+        j->crc[1] = copy_crc_one((uint8_t *)j->dst + j->half, (const uint8_t *)j->src + j->half,
+                                 j->len - j->half);
+    }
+}
+
+/* Where the core's OpenMP runtime is the one torch's own threads come from, the second half goes
+ * to a worker of torch's pool, which after each parallel region of a training step spins for
+ * milliseconds waiting for the next one, and takes this region at once. A thread of our own shared
+ * that core with the spinning worker: 205 MB in 22-25 ms inside a fit against 16-17 ms this way.
+ * The team is the pool's own size (num_threads 0: a smaller team makes libgomp end the pool's
+ * threads left over, which torch avoids for that reason, pytorch#32008); threads 0 and 1 copy, any
+ * others pass. */
 static uint32_t copy_crc_openmp(void *dst, const void *src, size_t len)
 {
-    size_t half = len / 2 / 4096 * 4096;
-    uint32_t crc[2] = {0, 0};
-    int team = 1;
-#pragma omp parallel
-    {
-        int id = omp_get_thread_num();
-        if (id == 0) {
-            team = omp_get_num_threads();
-            crc[0] = copy_crc_one(dst, src, team == 1 ? len : half);
-        } else if (id == 1) {
-            crc[1] = copy_crc_one((uint8_t *)dst + half, (const uint8_t *)src + half, len - half);
-        }
-    }
-    return team == 1 ? crc[0] : frk_crc32c_combine(crc[0], crc[1], len - half);
+    team_job j = {dst, src, len, len / 2 / 4096 * 4096, {0, 0}, 1};
+    gomp.parallel(copy_team_member, &j, 0, 0);
+    return j.team == 1 ? j.crc[0] : frk_crc32c_combine(j.crc[0], j.crc[1], len - j.half);
 }
-#endif
 
 uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len)
 {
     if (len < COPY_SPLIT_MIN)
         return copy_crc_one(dst, src, len);
-#ifdef _OPENMP
     /* torch's pool has a second thread (its setting: one thread means no pool to share) */
-    if (atomic_load(&copy_openmp) && omp_get_max_threads() >= 2 && !omp_in_parallel())
+    if (atomic_load(&copy_openmp) && gomp.max_threads() >= 2 && !gomp.in_parallel())
         return copy_crc_openmp(dst, src, len);
-#endif
     size_t half = len / 2 / 4096 * 4096; /* the second half starts on a page */
     copy_job tail = {(uint8_t *)dst + half, (const uint8_t *)src + half, len - half, 0};
     pthread_t t;

@@ -55,7 +55,8 @@ uint32_t frk_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
  * without the GIL. */
 uint32_t frk_copy_crc32c(void *dst, const void *src, size_t len);
 /* From now on, the split copy runs as an OpenMP team (on) or on a thread of its own (off, the
- * default); returns whether OpenMP is used: never where the core was built without it. */
+ * default); returns whether OpenMP is used: only where the process has libgomp.so.1 loaded (the
+ * core links no OpenMP runtime: it uses torch's). */
 int frk_copy_use_openmp(int on);
 /* The CRC32C of each of n buffers (out[i] for data[i], len[i] bytes), their 1 MiB pieces shared out
  * among `threads` threads (this one among them; at most 8). Safe to call without the GIL.

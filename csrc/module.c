@@ -994,7 +994,7 @@ static PyMethodDef core_methods[] = {
     {"copy_use_openmp", core_copy_use_openmp, METH_O,
      "copy_use_openmp($module, on, /)\n--\n\n"
      "Whether copy_crc32c splits big copies over an OpenMP team (on) or a thread of its own;\n"
-     "returns whether OpenMP is used (False where the core was built without it)."},
+     "returns whether OpenMP is used (False where the process has no libgomp.so.1 loaded)."},
     {"has_magic", core_has_magic, METH_O,
      "has_magic($module, head, /)\n--\n\nTrue if head starts with this format's magic bytes."},
     {"skip_plan", core_skip_plan, METH_VARARGS,

@@ -36,13 +36,13 @@ __all__ = ["SnapshotPool", "BackgroundCommit"]
 
 
 def _openmp_is_torchs() -> bool:
-    """Whether the OpenMP runtime the core is linked to (`libgomp.so.1`, resolved by that name) is
-    the one torch runs its threads on, its own `torch/lib/libgomp.so.1`: then the split copy's
-    OpenMP team (`_core.copy_use_openmp`) gets a worker of torch's pool, which spins on its core
-    after each step and takes the copy at once. Otherwise (torch on a runtime bundled under another
-    name, or Intel's) a team would start threads of its own that spin after the copy: the copy then
-    keeps its own thread. (Libraries that bundle their own renamed copy, as scikit-learn does, run
-    apart and do not matter.)"""
+    """Whether the OpenMP runtime the core would run on (the loaded `libgomp.so.1`: the core links
+    none, it finds that one by name) is the one torch runs its threads on, its own
+    `torch/lib/libgomp.so.1`: then the split copy's OpenMP team (`_core.copy_use_openmp`) gets a
+    worker of torch's pool, which spins on its core after each step and takes the copy at once.
+    Otherwise (torch on a runtime bundled under another name, or Intel's) a team would start threads
+    of its own that spin after the copy: the copy then keeps its own thread. (Libraries that bundle
+    their own renamed copy, as scikit-learn does, run apart and do not matter.)"""
     if "OpenMP" not in torch.__config__.parallel_info():
         return False
     torchs = os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))

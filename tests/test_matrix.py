@@ -39,6 +39,33 @@ def test_every_claimed_python_ran_with_the_newest_and_the_oldest_stack_and_passe
         assert r["installed"]["core"].startswith("fastai_resume/_core.cpython-"), r["name"]  # the wheel's own
 
 
+def test_every_row_installed_its_pythons_manylinux_wheel_tagged_what_auditwheel_allows(res):
+    """`make wheels` tagged each wheel what `auditwheel show` allowed it, no narrower than torch's
+    manylinux_2_28, and each row had pip install its own Python's (with no compiler on PATH: below)."""
+    assert list(res["wheels"]) == matrix.pythons()
+    for py, w in res["wheels"].items():
+        tag = f"cp{py.replace('.', '')}"
+        assert w["wheel"] == f"fastai_resume-{res['rows'][0]['installed']['version']}-{tag}-{tag}-{w['tag']}.whl"
+        m = re.fullmatch(r"manylinux_2_(\d+)_x86_64", w["tag"])
+        assert m and int(m.group(1)) <= 28 and w["glibc"] == f"2.{m.group(1)}", w
+        assert 0 < w["bytes"] < 1 << 20, w  # the package and its core: no grafted library, no build tree
+    for r in res["rows"]:
+        assert r["wheel"] == res["wheels"][r["python"].rsplit(".", 1)[0]]["wheel"], r["name"]
+        assert 0 < r["seconds"]["install"] < r["seconds"]["setup"], r["name"]
+
+
+def test_a_rows_install_refuses_a_path_with_a_compiler(tmp_path):
+    (tmp_path / "bin").mkdir()
+    for name in ("cc", "python"):  # a compiler, and a venv's python that fails whatever it is asked
+        (tmp_path / "bin" / name).write_text("#!/bin/sh\nexit 3\n")
+        (tmp_path / "bin" / name).chmod(0o755)
+    with pytest.raises(SystemExit, match=r"a compiler on the install's PATH: \['cc'\]"):
+        matrix.install_without_compiler("row", str(tmp_path), "fastai_resume-0-cp311-cp311-x.whl", "c.txt", "r.json")
+    (tmp_path / "bin" / "cc").unlink()  # the control: without it the check passes, and pip is what fails
+    with pytest.raises(SystemExit, match=r"pip install .* failed \(3\)"):
+        matrix.install_without_compiler("row", str(tmp_path), "fastai_resume-0-cp311-cp311-x.whl", "c.txt", "r.json")
+
+
 def test_the_newest_rows_ran_what_constraints_dev_pins(res):
     pinned = dict(p.split("==") for p in matrix.pins("newest"))
     for r in res["rows"]:

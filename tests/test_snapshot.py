@@ -180,7 +180,7 @@ def test_the_split_copy_runs_on_torchs_openmp_runtime_and_copies_the_same_either
 
     from fastai_resume import _core, snapshot
 
-    # this venv's torch runs on its libgomp.so.1, and the core, built with OpenMP, resolves to it
+    # this venv's torch runs on its libgomp.so.1, the one the core (linking no OpenMP runtime) calls
     assert snapshot.COPY_ON_OPENMP and snapshot._openmp_is_torchs()
     maps = open("/proc/self/maps").read()
     assert len({ln.split()[-1] for ln in maps.splitlines() if ln.endswith("/libgomp.so.1")}) == 1

@@ -22,6 +22,7 @@
 #include "layout.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -2995,6 +2996,27 @@ static void test_crc_combine_and_copy(void)
     }
 }
 
+/* The split copy's OpenMP team runs on the libgomp.so.1 the process has loaded (torch's, in
+ * Python), never on one the core loads: refused before one is loaded, then the same copy on it. */
+static void test_copy_on_the_loaded_openmp(void)
+{
+    CHECKF(!frk_copy_use_openmp(1), "%s", "the team is used with no libgomp.so.1 loaded");
+    if (!dlopen("libgomp.so.1", RTLD_NOW)) { /* kept loaded: the core holds it from here on */
+        note("libgomp.so.1 not installed: the team's copy not run (%s)", dlerror());
+        return;
+    }
+    CHECK(frk_copy_use_openmp(1));
+    size_t n = (16u << 20) + 4099;
+    uint8_t *src = xmalloc(n + 3), *dst = xmalloc(n + 1);
+    for (size_t k = 0; k < n + 3; k++)
+        src[k] = (uint8_t)(rnd() >> 32);
+    CHECK(frk_copy_crc32c(dst + 1, src + 3, n) == frk_crc32c(0, src + 3, n) &&
+          !memcmp(dst + 1, src + 3, n));
+    CHECK(!frk_copy_use_openmp(0));
+    free(src);
+    free(dst);
+}
+
 static void test_crc_many(void)
 {
     static const size_t sizes[] = {0,       1, (1u << 20) - 1, 1u << 20, (1u << 20) + 1, (3u << 20),
@@ -3201,6 +3223,7 @@ int main(int argc, char **argv)
     run_test("builder_size_is_the_committed_size", test_builder_size_is_the_committed_size);
     run_test("commit_direct_same_bytes_as_buffered", test_commit_direct_same_bytes_as_buffered);
     run_test("crc32c_combine_and_copy", test_crc_combine_and_copy);
+    run_test("crc32c_copy_on_the_loaded_openmp", test_copy_on_the_loaded_openmp);
     run_test("crc32c_many", test_crc_many);
     run_test("error_message_cut_at_a_character", test_error_message_cut_at_a_character);
     run_test("reader_truncation_every_offset", test_truncation_every_offset);
