@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import datalog, loaders
+from . import datalog, loaders, stored
 from .script import DISARM_HOOKS, STAGE_BEGIN_HOOKS, script
 
 __all__ = ["check", "CheckResult", "ENV", "probe_for"]
@@ -313,10 +313,11 @@ def _refused(p) -> str | None:
 
 
 def _remove(path) -> None:
-    import shutil
-
-    q = Path(path)
-    shutil.rmtree(q, ignore_errors=True) if q.is_dir() else q.unlink(missing_ok=True)
+    "The check's own checkpoint (a file or a sharded folder) and its data logs."
+    try:
+        stored.remove(path)
+    except OSError:
+        pass
 
 
 def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python=sys.executable) -> CheckResult:

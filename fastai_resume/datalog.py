@@ -15,8 +15,10 @@ proven is that every batch the killed run trained after its checkpoint is traine
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import dist, io, stored
@@ -47,8 +49,10 @@ def fingerprint(t) -> int:
         for x in t:
             c = ((c * 1000003) ^ fingerprint(x)) & _MASK
         return c
-    if isinstance(t, dict):
+    if isinstance(t, Mapping):  # (a dict, or transformers' BatchEncoding)
         return fingerprint([text_digest(k) ^ fingerprint(v) for k, v in t.items()])
+    if isinstance(t, np.ndarray):
+        return fingerprint(torch.from_numpy(np.ascontiguousarray(t))) if t.dtype != object else text_digest(t.tolist())
     if isinstance(t, (int, float, bool, str)):
         return text_digest(t)
     return 0
@@ -101,9 +105,10 @@ def expected(checkpoint: Path) -> dict:
     out: dict = {}
     try:
         with open(path_of(checkpoint, dist.rank()), "rb") as f:
-            for n, line in enumerate(f):
+            for _ in range(_MAX_LINES):
+                line = f.readline(65)  # (a longer line is no line of ours: reading stops there)
                 parts = line.split()
-                if n >= _MAX_LINES or len(parts) != 3 or not all(p.isdigit() for p in parts) or len(line) > 64:
+                if len(parts) != 3 or not all(p.isdigit() for p in parts) or not line.endswith(b"\n"):
                     break
                 e, i, c = (int(p) for p in parts)
                 out[(e, i)] = c
@@ -119,9 +124,9 @@ def verdict(source, epoch: int, it: int, want, got, what: str) -> None:
     wrong = [w for w in dist.exchange(f"datalog: batch {epoch},{it}", mine) if w is not None]
     if wrong:
         raise StreamDiverged(
-            f"the resumed training data differs from what the run that saved {source} trained on: batch {it} of "
-            f"epoch {epoch} ({', '.join(wrong)}) is not the batch that run trained there (its data log, "
-            f"{Path(str(source)).name}.datalog). The stream ({what}) did not resume where it was: its "
+            f"the resumed training data differs from what the run that saved {source} trained on: batch {it} "
+            f"of epoch {epoch} ({', '.join(wrong)}) is not the batch that run trained there, or was not drawn (its "
+            f"data log, {Path(str(source)).name}.datalog). The stream ({what}) did not resume where it was: its "
             "state_dict()/load_state_dict() does not hold all of its position, or it moved in worker processes. "
             "Nothing was trained on it. Options: give the stream a complete state (torchdata's StatefulDataLoader "
             "for worker processes), read it with num_workers=0, or fit with start_iter=0 to restart the epoch."

@@ -236,7 +236,8 @@ def stream_way(dl, fast_forward: bool = False) -> tuple[str, str]:
 
 
 def _refusal(dl, why, where, k) -> str:
-    name = type(_dataset(dl) or unwrap_dl(dl)).__name__
+    ds = _dataset(dl)
+    name = type(ds if ds is not None else unwrap_dl(dl)).__name__
     if "worker processes" in why:
         return (
             f"cannot resume {where}mid-epoch exactly: the training DataLoader reads a stream ({name}) and {why}. "
@@ -288,7 +289,7 @@ def skip_first(dl, k: int, on_skipped, fast_forward: bool = False, where: str = 
         way, why = stream_way(dl, fast_forward)
         if way == "refuse":
             raise StreamNotResumable(_refusal(dl, why, where, k))
-        if way != "state":
+        if way != "state" and not (sized and (whole or k >= len(unwrap_dl(dl)))):  # (at its end: nothing to read)
             return f"{way} ({why})" if way == "replay" else way
         # the stream continues from its loaded state: nothing of it is re-read; an epoch of `n` items
         # still has only its remaining batches to run

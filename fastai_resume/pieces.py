@@ -252,8 +252,10 @@ def _restore_loaders(learn, sv, at_save, k) -> None:
     states, train = (sv["loaders_now"] if at_save else sv["loaders_epoch"]), learn.dls.train
     for dl, st in zip(learn.dls.loaders, states):  # a stream's state: its position at an epoch's end, if it keeps one
         loaders.restore(dl, st, at_save and not (k and dl is train) and loaders.keeps_position(dl))
+    ended = k >= len(train) or bool(sv["position"].get("loader_done"))  # saved at its epoch's end
     if k and loaders.is_stream(train) and loaders.stream_way(train)[0] == "state":
-        loaders.restore(train, sv["loaders_now"][0])
+        if not (ended and not loaders.keeps_position(train)):  # (an ended pass: the next one starts anew)
+            loaders.restore(train, sv["loaders_now"][0])
 
 
 LOADERS = Piece(("loaders_now", "loaders_epoch"), _loaders, _check_loaders, per_rank=True, at_epoch=_restore_loaders)

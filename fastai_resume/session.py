@@ -160,7 +160,7 @@ class ResumeSession(Callback):
         if self.resuming:
             self.resuming = False
             self._start_resumed_epoch()
-        loaders.seed_epoch(self.dls, self.first_iter)
+        loaders.seed_epoch(self.dls, 0 if self.fast_forwarding else self.first_iter)  # (a replay reads from 0)
         self.rng_epoch = state.rng_state()
         self.loaders_epoch = [loaders.capture(dl) for dl in self.dls.loaders]
         self.rng_valid = self.loaders_valid = None
@@ -175,19 +175,30 @@ class ResumeSession(Callback):
         if not (self.streamed and self.training):
             return
         pos = (self.epoch, self.iter)
-        while self.expect and self.expect[0][0] < pos:
-            self.expect.pop(0)  # (positions this fit does not train)
+        self._not_drawn(pos)
         if not self.expect and not self.log.open:
             return
         got = datalog.fingerprint((*self.learn.xb, *self.learn.yb))
         if self.expect and self.expect[0][0] == pos:
-            want = self.expect.pop(0)[1]
-            what = type(getattr(dist.unwrap_dl(self.dls.train), "dataset", None)).__name__
-            datalog.verdict(self.source, *pos, want, got, what)
+            datalog.verdict(self.source, *pos, self.expect.pop(0)[1], got, self._stream_name())
         self.log.record(*pos, got)
+
+    def _stream_name(self) -> str:
+        return type(getattr(dist.unwrap_dl(self.dls.train), "dataset", None)).__name__
+
+    def _not_drawn(self, before) -> None:
+        """The logged batches before position `before` that this fit passed without drawing: the saving run
+        trained them, so the stream diverged (on every rank alike: every rank holds the same positions)."""
+        while self.expect and (before is None or self.expect[0][0] < before):
+            (e, i), want = self.expect.pop(0)
+            datalog.verdict(self.source, e, i, want, None, self._stream_name())
 
     def after_fit(self):
         self.log.close()
+        if self.first_fetch is not None:  # (a resumed epoch that drew no batch: nothing was left of it)
+            f, self.first_fetch = self.first_fetch, None
+            f()
+        self._not_drawn(None)
 
     def before_validate(self):
         loaders.seed_epoch(self.dls, None)
@@ -225,10 +236,13 @@ class ResumeSession(Callback):
             f"(skip took {time.perf_counter() - self.t0:.3f}s{', ' + how if how else ''})"
         )
         self.fast_forwarding = k if how.startswith(("replay", "fast-forward")) else 0
-        if self.streamed and self.source is not None:  # the batches the saving run trained after its save
+        if self.streamed and self.source is not None and sv is not None:  # what the saving run trained after it
             log = sorted(datalog.expected(self.source).items())
-            n = min(dist.exchange("datalog: the batches to check", len(log)))  # every rank checks as many
-            self.expect = log[:n]
+            if log and log[0][0] not in ((self.epoch, k), (self.epoch + 1, 0)):
+                log = []  # (not this checkpoint's log: one of a save that did not commit)
+            got = dist.exchange("datalog: the batches to check", [len(log), list(log[0][0]) if log else None])
+            same = all(g[1] == got[0][1] for g in got)  # (every rank checks the same positions, or none)
+            self.expect = log[: min(g[0] for g in got)] if same else []
 
     def _restore_saved_modules(self):
         "The tensors the model kept between batches when the checkpoint was saved (its hidden state)."
@@ -248,6 +262,11 @@ class ResumeSession(Callback):
 
     def after_train(self):
         self.first_iter = 0
+        if self.first_fetch is not None:  # the resumed epoch drew no batch (saved at its end)
+            f, self.first_fetch = self.first_fetch, None
+            f()
+        if self.streamed:
+            self._not_drawn((self.epoch + 1, 0))
         if self.skip.pending:
             self._restore_saved_rng()  # nothing was left to train
 

@@ -12,8 +12,10 @@ PIPELINE: `plain`; `map-filter` (`.map` then `.filter`); `shuffle` (`.shuffle(se
 `custom` stream through torchdata's `StatefulDataLoader` in fastai's `DataLoaders`); `custom` (a
 stream of the user's own with `state_dict`/`load_state_dict` and a length, one pass per `__iter__`);
 `off-by-one` (the same, whose loaded state resumes a row late: a state that does not reproduce);
-`sticky` (the same, whose loaded state applies to every later pass).
+`sticky` (the same, whose loaded state applies to every later pass); `early-end` (the same, whose
+loaded state ends the pass a batch later).
 --set-epoch: a callback calls `set_epoch(epoch)` on the stream before each epoch, as scripts do.
+--noise: a random item transform (in the worker processes, with --workers).
 --ranks: under torchrun with `distrib_ctx`: the stream split with `split_dataset_by_node`.
 --stages: `fit_one_cycle(1)` first, as `fine_tune` fits twice (--die then counts in the second stage).
 --die E,K: after K training batches of epoch E, save `crash` (or, with --auto, let AutoCheckpoint have
@@ -74,6 +76,12 @@ def row(r):
     return torch.tensor(r["x"], dtype=torch.float32), int(r["y"])
 
 
+def noisy_row(r):
+    "The row with a random item transform (drawn where the item is made: in a worker process, with workers)."
+    x, y = row(r)
+    return x + 0.05 * torch.randn(64), y
+
+
 def scaled(r):
     return {**r, "x": [v * 0.5 + 0.25 for v in r["x"]]}
 
@@ -116,6 +124,20 @@ class Sticky(CustomStream):
             yield r
 
 
+class EarlyEnd(CustomStream):
+    "A stream whose loaded state ends its pass one batch later (a bug no one sees): the epoch ends early."
+
+    def load_state_dict(self, st):
+        self.start, self.stop = st["pos"], st["pos"] + 32
+
+    def __iter__(self):
+        n, self.n = self.n, getattr(self, "stop", None) or self.n
+        try:
+            yield from super().__iter__()
+        finally:
+            self.n, self.stop = n, None
+
+
 class OffByOne(CustomStream):
     "A stream whose state is wrong: it resumes one row later than it was (a bug no one sees)."
 
@@ -127,8 +149,9 @@ def stream(a, files):
     import datasets
 
     datasets.disable_progress_bars()
-    if a.pipeline in ("custom", "stateful", "off-by-one", "sticky"):
-        return {"off-by-one": OffByOne, "sticky": Sticky}.get(a.pipeline, CustomStream)(files, 640)
+    if a.pipeline in ("custom", "stateful", "off-by-one", "sticky", "early-end"):
+        cls = {"off-by-one": OffByOne, "sticky": Sticky, "early-end": EarlyEnd}.get(a.pipeline, CustomStream)
+        return cls(files, 640)
     load = lambda fs: datasets.load_dataset("json", data_files=fs, split="train", streaming=True)  # noqa: E731
     if a.pipeline == "interleave":
         ds = datasets.interleave_datasets(
@@ -173,13 +196,16 @@ class BatchCRCs(Callback):
 class SaveAndDie(Callback):
     order = 100
 
-    def __init__(self, at, save, later=0):
-        self.at, self.save, self.later = at, save, later
+    def __init__(self, at, save, later=0, in_valid=False):
+        self.at, self.save, self.later, self.in_valid, self.saved = at, save, later, in_valid, False
 
     def after_batch(self):
         if not self.training:
+            if self.in_valid and self.saved:  # killed in the validation after the save
+                os.kill(os.getpid(), signal.SIGKILL)
             return
         e, k = self.at
+        self.saved = self.saved or (self.epoch, self.iter + 1) == (e, k)
         if self.save and (self.epoch, self.iter + 1) == (e, k):
             self.learn.save("crash", with_iter=True)
         if (self.epoch, self.iter + 1) == (e, k + self.later):
@@ -198,7 +224,8 @@ def build(a):
 
         train = StatefulDataLoader(ds, batch_size=32, num_workers=a.workers, collate_fn=collate)
     else:
-        train = DataLoader(ds, bs=32, indexed=False, n=n, num_workers=a.workers, after_item=row)
+        item = noisy_row if a.noise else row
+        train = DataLoader(ds, bs=32, indexed=False, n=n, num_workers=a.workers, after_item=item)
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -224,17 +251,29 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "pipeline",
-        choices=["plain", "map-filter", "shuffle", "interleave", "stateful", "custom", "off-by-one", "sticky"],
+        choices=[
+            "plain",
+            "map-filter",
+            "shuffle",
+            "interleave",
+            "stateful",
+            "custom",
+            "off-by-one",
+            "sticky",
+            "early-end",
+        ],
     )
     ap.add_argument("--path", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--set-epoch", action="store_true")
+    ap.add_argument("--noise", action="store_true", help="a random item transform (noisy_row)")
     ap.add_argument("--ranks", action="store_true")
     ap.add_argument("--stages", action="store_true", help="a fit of one epoch first (a second stage, as fine_tune)")
     ap.add_argument("--die", default=None)
     ap.add_argument("--die-later", type=int, default=0, help="with --die E,K: save at K, die this many batches later")
+    ap.add_argument("--die-in-valid", action="store_true", help="with --die E,K: die in the validation after it")
     ap.add_argument("--load", default=None)
     ap.add_argument("--auto", type=int, default=0)
     ap.add_argument("--fast-forward", action="store_true")
@@ -243,7 +282,9 @@ def main(argv=None):
     if a.auto:
         learn.add_cb(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=2, fast_forward=a.fast_forward))
     if a.die:
-        learn.add_cb(SaveAndDie(tuple(map(int, a.die.split(","))), save=not a.auto, later=a.die_later))
+        learn.add_cb(
+            SaveAndDie(tuple(map(int, a.die.split(","))), save=not a.auto, later=a.die_later, in_valid=a.die_in_valid)
+        )
     if a.load:
         learn.load(a.load, fast_forward=a.fast_forward)
     ctx = contextlib.nullcontext()

@@ -83,9 +83,10 @@ def test_a_stream_resumed_at_an_epoch_boundary_starts_its_next_epoch_where_the_u
 @pytest.mark.parametrize("way", ["load", "auto"])
 @pytest.mark.parametrize("pipeline", ["plain", "shuffle"])
 def test_a_stream_read_by_worker_processes_resumes_exactly(tmp_root, tmp_path, pipeline, way):
-    "The state lives in the workers: the main process's copy never moves (fails before the fix)."
-    ref = stream_reference(tmp_root, pipeline, "--workers", "2")
-    res, log = crash_and_rerun(tmp_path, pipeline, "0,9", "--workers", "2", way=way)
+    """The state lives in the workers: the main process's copy never moves (fails before the fix). A random
+    item transform in the workers: a replayed batch j is seeded as batch j (the replay reads from batch 0)."""
+    ref = stream_reference(tmp_root, pipeline, "--workers", "2", "--noise")
+    res, log = crash_and_rerun(tmp_path, pipeline, "0,9", "--workers", "2", "--noise", way=way)
     assert "replay" in log
     assert_same(ref, res)
 
@@ -204,3 +205,23 @@ def test_a_stream_killed_in_a_second_stage_resumes_exactly(tmp_root, tmp_path, p
     res, log = crash_and_rerun(tmp_path, pipeline, "1,7", "--stages", *args, way=way)
     assert "resuming" in log
     assert_same(ref, res)
+
+
+@pytest.mark.parametrize(
+    "pipeline,args",
+    [("plain", ()), ("shuffle", ()), ("plain", ("--workers", "2"))],
+    ids=["plain", "shuffle", "workers"],
+)
+def test_a_stream_saved_as_its_epoch_ended_resumes_its_next_epochs_exactly(tmp_root, tmp_path, pipeline, args):
+    """Saved after the epoch's last batch (position (e, n_iter)), killed in the validation after it: the
+    `datasets` stream's end-of-pass state is not loaded (it would stick), and no epoch is replayed."""
+    ref = stream_reference(tmp_root, pipeline, *args)
+    res, log = crash_and_rerun(tmp_path, pipeline, "0,20", "--die-in-valid", *args)
+    assert "at epoch 0, iteration 20/20" in log
+    assert_same(ref, res)
+
+
+def test_a_logged_batch_the_rerun_does_not_draw_is_a_divergence(tmp_path):
+    "A user's stream whose state ends the epoch early: the batches the saving run trained there were not drawn."
+    _, log = crash_and_rerun(tmp_path, "early-end", "1,7", "--die-later", "3", expect=1)
+    assert "StreamDiverged" in log and "or was not drawn" in log and "batch 8 of epoch 1" in log
