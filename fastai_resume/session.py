@@ -193,11 +193,15 @@ class ResumeSession(Callback):
             (e, i), want = self.expect.pop(0)
             datalog.verdict(self.source, e, i, want, None, self._stream_name())
 
-    def after_fit(self):
-        self.log.close()
-        if self.first_fetch is not None:  # (a resumed epoch that drew no batch: nothing was left of it)
+    def _fetched(self) -> None:
+        "The resumed epoch's first batch is in, or none will be: what waited for it runs (once)."
+        if self.first_fetch is not None:
             f, self.first_fetch = self.first_fetch, None
             f()
+
+    def after_fit(self):
+        self.log.close()
+        self._fetched()  # (a resumed epoch that drew no batch: nothing was left of it)
         self._not_drawn(None)
 
     def before_validate(self):
@@ -254,17 +258,13 @@ class ResumeSession(Callback):
 
     def batch_fetched(self):
         "Called by `all_batches` once a batch is in hand (a loader with no earlier hook)."
-        if self.first_fetch is not None:
-            f, self.first_fetch = self.first_fetch, None
-            f()
+        self._fetched()
         if self.skip.pending:
             self._restore_saved_rng()
 
     def after_train(self):
         self.first_iter = 0
-        if self.first_fetch is not None:  # the resumed epoch drew no batch (saved at its end)
-            f, self.first_fetch = self.first_fetch, None
-            f()
+        self._fetched()  # (the resumed epoch drew no batch: saved at its end)
         if self.streamed:
             self._not_drawn((self.epoch + 1, 0))
         if self.skip.pending:
