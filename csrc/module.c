@@ -258,6 +258,37 @@ static PyObject *Writer_put_int(WriterObject *w, PyObject *v)
     return writer_status(w, frk_builder_put_int(w->b, x, &err), &err);
 }
 
+/* A list's or tuple's items as ints, where every item is an int (not a bool) that fits in 64 bits:
+ * the same values put_int appends one by one. Returns False, having appended nothing, where one is not. */
+static PyObject *Writer_put_ints(WriterObject *w, PyObject *v)
+{
+    if (!PyList_Check(v) && !PyTuple_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "put_ints takes a list or a tuple");
+        return NULL;
+    }
+    if (!writer_open(w))
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int overflow;
+        if (!PyLong_CheckExact(items[i]))
+            Py_RETURN_FALSE;
+        long long x = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow || (x == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    frk_error err;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int rc = frk_builder_put_int(w->b, PyLong_AsLongLong(items[i]), &err);
+        if (rc != FRK_OK)
+            return writer_status(w, rc, &err);
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyObject *Writer_put_float(WriterObject *w, PyObject *v)
 {
     double x = PyFloat_AsDouble(v);
@@ -402,6 +433,8 @@ static PyMethodDef Writer_methods[] = {
     {"put_str", (PyCFunction)Writer_put_str, METH_O, PUT_DOC(put_str, v, "Append a str.")},
     {"put_bytes", (PyCFunction)Writer_put_bytes, METH_O,
      PUT_DOC(put_bytes, v, "Append bytes (any bytes-like object).")},
+    {"put_ints", (PyCFunction)Writer_put_ints, METH_O,
+     PUT_DOC(put_ints, seq, "Append a list's or tuple's items as ints, where all are ints that fit in 64 bits (then True; else False, nothing appended).")},
     {"put_list", (PyCFunction)Writer_put_list, METH_O,
      PUT_DOC(put_list, n, "Append a list of the next n values.")},
     {"put_tuple", (PyCFunction)Writer_put_tuple, METH_O,

@@ -21,6 +21,7 @@ into a `CheckpointError`, so a wrong or hostile file is refused before anything 
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,11 @@ class Now:
     validating: bool = False  # saved during the validation that ends the epoch
     boundary: bool = False  # saved at the epoch's start
     loader_done: bool = False
+
+    @functools.cached_property
+    def params(self) -> list:
+        "The model's parameters, in order (walked once per capture: several pieces read them)."
+        return list(self.learn.model.parameters())
 
 
 @dataclass(frozen=True)
@@ -357,11 +363,11 @@ HYPERS = Piece(
 
 
 def _grad_set(now: Now) -> dict:
-    return {"grad_set": [p.grad is not None for p in now.learn.model.parameters()]}
+    return {"grad_set": [p.grad is not None for p in now.params]}
 
 
 def _grads(now: Now) -> dict:
-    return {"grads": state.pending_grads(now.learn.model), **_grad_set(now)}
+    return {"grads": state.pending_grads(now.params), **_grad_set(now)}
 
 
 def _check_grads(t, where) -> None:
@@ -403,7 +409,7 @@ GRADS = Piece(
 
 
 def _trainable(now: Now) -> dict:
-    return {"trainable": [p.requires_grad for p in now.learn.model.parameters()]}
+    return {"trainable": [p.requires_grad for p in now.params]}
 
 
 def _check_trainable(t, where) -> None:

@@ -146,7 +146,7 @@ class SnapshotPool:
                 return bytes(v)
             return v
 
-        out = io.map_tree(tree, leaf)
+        out = io.map_tree(tree, leaf, scalars=True)
         for dev in cuda:
             torch.cuda.synchronize(dev)
         return out

@@ -6,6 +6,7 @@ in `loaders`, callbacks' in `callbacks`; `pieces` makes them the table of pieces
 
 from __future__ import annotations
 
+import functools
 import gc
 import operator
 import random
@@ -50,7 +51,7 @@ __all__ = [
 
 def plain(v: Any) -> Any:
     "`v` with fastai/NumPy containers and scalars turned into the storable base types."
-    return map_tree(v, _plain_leaf)
+    return map_tree(v, _plain_leaf, scalars=True)
 
 
 def _plain_leaf(v: Any) -> Any:
@@ -261,18 +262,26 @@ def _public(name: str) -> bool:
     return not name.startswith("_") and name != "training"
 
 
-def _attrs(m, own: set) -> dict:
+def _attrs(m, own: Callable[[], set]) -> dict:
     """A module's plain attributes that hold tensors between batches (the fastai book's `self.h` of its RNNs):
     public names only (torch keeps its own as `_...`), never one that shares memory with a parameter or
-    buffer (a `.data` alias must stay one)."""
-    return {k: v for k, v in m.__dict__.items() if _public(k) and held(v) and not (_storages(v) & own)}
+    buffer (a `.data` alias must stay one). `own()`: the storages of the model's parameters and buffers."""
+    found = {k: v for k, v in m.__dict__.items() if isinstance(v, _HOLDERS) and _public(k) and held(v)}
+    return {k: v for k, v in found.items() if not (_storages(v) & own())} if found else found
+
+
+_HOLDERS = (torch.Tensor, list, tuple)  # what `held` can be true of
 
 
 def module_states(model) -> dict:
     """Tensors a model keeps between batches outside its state dict, by module name: the hidden state of
     fastai's `AWD_LSTM` (`hidden` and `bs`), and any module's plain attributes that hold detached tensors
     (`attrs`: the recurrent models a user writes, as the fastai book's chapter 12 does)."""
-    own = {_storage(t) for t in (*model.parameters(), *model.buffers())} - {None}
+
+    @functools.cache
+    def own() -> set:  # (walked only where a module holds a tensor: a save at every step of an LLM pays no walk)
+        return {_storage(t) for t in (*model.parameters(), *model.buffers())} - {None}
+
     out: dict = {}
     for name, m in model.named_modules():
         hid = m.__dict__.get("hidden")
@@ -373,11 +382,11 @@ def hyper_kind(v) -> str:
     return type(v).__name__
 
 
-def pending_grads(model):
-    """The parameters' gradients if any is non-zero (accumulation in progress), else None. A sharded
-    gradient (a DTensor) is judged by this rank's part: its `any()` would be a collective, and each rank
-    saves its own."""
-    grads = [p.grad for p in model.parameters()]
+def pending_grads(params: list):
+    """The gradients of `params` (a model's parameters, in order) if any is non-zero (accumulation in
+    progress), else None. A sharded gradient (a DTensor) is judged by this rank's part: its `any()` would be
+    a collective, and each rank saves its own."""
+    grads = [p.grad for p in params]
     if not any(g is not None and bool((g.to_local() if hasattr(g, "to_local") else g).any()) for g in grads):
         return None
     return [None if g is None else g.detach() for g in grads]

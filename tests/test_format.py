@@ -118,6 +118,41 @@ def test_python_values_and_containers_round_trip(tmp_path):
     assert back == tree and isinstance(back["tup"], tuple) and isinstance(back["l"], list)
 
 
+def test_long_sequences_of_ints_are_written_as_one_by_one_and_others_keep_their_kinds(tmp_path):
+    """An RNG's state (hundreds of ints) goes to the writer in one call (`Writer.put_ints`): the file is the
+    one the value-by-value walk writes, byte for byte; a sequence with a bool, a float or an int wider than
+    64 bits among its ints is walked value by value (the bool stays a bool; the wide int is refused, by path)."""
+    import random
+
+    from fastai_resume import io
+
+    class OneByOne:  # the writer, less its `put_ints`: the walk's own path
+        def __init__(self, w):
+            self.w = w
+
+        def __getattr__(self, name):
+            return (lambda seq: False) if name == "put_ints" else getattr(self.w, name)
+
+    tree = {
+        "python": random.getstate(),
+        "l": list(range(-(2**63), -(2**63) + 20)),
+        "bools": [True, False] * 4 + [1, 0],
+        "floats": [1.5] + list(range(9)),
+        "short": (1, 2, 3),
+    }
+    fast, slow = _core.Writer(), _core.Writer()
+    io._Encoder(fast).value(tree, "")
+    io._Encoder(OneByOne(slow)).value(tree, "")
+    fast.commit(str(tmp_path / "fast.frk"), fsync=False)
+    slow.commit(str(tmp_path / "slow.frk"), fsync=False)
+    assert (tmp_path / "fast.frk").read_bytes() == (tmp_path / "slow.frk").read_bytes()
+    back = fr.load(tmp_path / "fast.frk")
+    assert back["python"] == tree["python"] and back["l"] == tree["l"] and back["floats"] == tree["floats"]
+    assert [type(v) for v in back["bools"]] == [bool] * 8 + [int, int]
+    with pytest.raises(TypeError, match=r"\['w'\]\[9\]: int 18446744073709551616 does not fit in 64 bits"):
+        fr.save({"w": list(range(9)) + [2**64]}, tmp_path / "x.frk")
+
+
 def test_numpy_arrays_round_trip_with_dtype_and_strides(tmp_path):
     arrs = {
         "i": np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],

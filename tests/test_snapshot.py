@@ -17,7 +17,10 @@ from fastai_resume.snapshot import BackgroundCommit, SnapshotPool
 def state():
     return {
         "model": {"w": torch.arange(1_000_000, dtype=torch.float32)},
-        "train": {"cb": {"counts": np.arange(1_000_000, dtype=np.int64), "raw": bytearray(b"abcd")}},
+        "train": {
+            "cb": {"counts": np.arange(1_000_000, dtype=np.int64), "raw": bytearray(b"abcd")},
+            "ints": list(range(100)),  # (a list of plain values: copied as one, not walked)
+        },
     }
 
 
@@ -25,6 +28,7 @@ def mutate(tree):
     tree["model"]["w"].fill_(-1)
     tree["train"]["cb"]["counts"][:] = -1
     tree["train"]["cb"]["raw"][:] = b"zzzz"
+    tree["train"]["ints"][:] = [-1] * 100
 
 
 def test_a_numpy_array_changed_after_a_background_save_starts_is_saved_with_its_old_values(tmp_path):
@@ -38,6 +42,7 @@ def test_a_numpy_array_changed_after_a_background_save_starts_is_saved_with_its_
     back = fr.load(tmp_path / "a.frk")
     assert np.array_equal(back["train"]["cb"]["counts"], np.arange(1_000_000))
     assert torch.equal(back["model"]["w"], torch.arange(1_000_000, dtype=torch.float32))
+    assert back["train"]["ints"] == list(range(100))
     assert back["train"]["cb"]["raw"] == b"abcd"
     assert tree["train"]["cb"]["counts"][0] == -1  # the control: training's own array did change
 

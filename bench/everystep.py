@@ -1,0 +1,167 @@
+"""A checkpoint at every optimizer step of a LoRA fine-tune: what it adds to the mean step time.
+
+The run is a user's: a GPT-2-shaped model (8 layers, 512 wide, GPT-2's 50,257-token vocabulary, random
+weights from its config) written with `save_pretrained` and loaded with `from_pretrained`, LoRA r=8 on
+`c_attn` from `peft`, fastai's Hugging Face tutorial recipe (`Learner`, `LMDataLoader`, `DropOutput`),
+`fit`. Each contender is a new process training the same batches from the same seed:
+
+- `none`: no checkpoint;
+- `every 1` / `every 10`: `AutoCheckpoint(every_iters=1 or 10)` with its default (background) saves;
+- `every 1 sync` / `every 10 sync`: the same with `background=False`.
+
+A step's time is the time from one training batch's start to the next's (everything the callbacks do
+after it included); the first `--warmup` steps of each process are left out (the first save allocates
+its buffers). Contenders interleaved, `--rounds` rounds; each figure is the median of the rounds' means,
+and the overhead is paired by round (a contender's mean step against the same round's `none`).
+
+    python bench/everystep.py [--rounds 5] [--steps 40]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..")]
+import common  # noqa: E402
+
+CONTENDERS = {
+    "none": None,
+    "every 1": dict(every_iters=1),
+    "every 1 sync": dict(every_iters=1, background=False),
+    "every 10": dict(every_iters=10),
+    "every 10 sync": dict(every_iters=10, background=False),
+}
+
+
+def learner(base_dir, work, steps, bs, seq_len):
+    "The tutorial's learner on the base as a user's script builds it: `from_pretrained`, LoRA, `Learner`."
+    import fastai.callback.progress  # noqa: F401  (Learner.no_bar)
+    import torch
+    from fastai.callback.core import Callback
+    from fastai.data.core import DataLoaders
+    from fastai.learner import Learner
+    from fastai.losses import CrossEntropyLossFlat
+    from fastai.text.data import LMDataLoader
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+
+    class DropOutput(Callback):
+        def after_pred(self):
+            self.learn.pred = self.pred[0]
+
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, model.config.vocab_size, (bs * seq_len * steps + 1,), generator=g)
+    valid = toks[: bs * seq_len + 1]
+    dls = DataLoaders(
+        LMDataLoader([toks], bs=bs, seq_len=seq_len), LMDataLoader([valid], bs=bs, seq_len=seq_len), device="cpu"
+    )
+    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[DropOutput], path=work)
+
+
+def one_run(a):
+    "One contender in this (new) process: prints its step times as JSON."
+    import torch
+    from fastai.callback.core import Callback
+    from fastai.torch_core import set_seed
+
+    import fastai_resume as fr
+
+    settings = CONTENDERS[a.run]
+    set_seed(0)
+    work = tempfile.mkdtemp(prefix="run-", dir=a.work)
+    learn = learner(os.path.join(a.work, "base"), work, a.steps, a.bs, a.seq_len)
+    starts: list = []
+
+    class Clock(Callback):
+        order = -1000  # first at each batch's start: the step before it has done everything, saves included
+
+        def before_batch(self):
+            if self.training:
+                starts.append(time.perf_counter())
+
+        def after_train(self):
+            starts.append(time.perf_counter())
+
+    cbs = [Clock()]
+    if settings is not None:
+        cbs.append(fr.AutoCheckpoint(every_epoch=False, **settings))
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3, cbs=cbs)
+    steps = [b - a_ for a_, b in zip(starts, starts[1:])][a.warmup :]
+    saved = len(os.listdir(os.path.join(work, "models"))) if settings else 0
+    shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"steps": steps, "threads": torch.get_num_threads(), "files": saved}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--bs", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--only", default=None, help="comma-separated contenders (default: all)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder on the disk)")
+    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)  # (one contender's new process)
+    ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.run:
+        return one_run(a)
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    names = a.only.split(",") if a.only else list(CONTENDERS)
+    work = tempfile.mkdtemp(prefix="frk-every-", dir=a.dir or os.path.join(HERE, ".."))
+    try:
+        cfg = GPT2Config(n_layer=a.layers, n_embd=a.width, n_head=a.width // 64)
+        GPT2LMHeadModel(cfg).save_pretrained(os.path.join(work, "base"))
+        means: dict = {k: [] for k in names}
+        for r in range(a.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                cmd = [sys.executable, __file__, "--run", name, "--work", work]
+                cmd += ["--steps", str(a.steps), "--warmup", str(a.warmup)]
+                cmd += ["--bs", str(a.bs), "--seq-len", str(a.seq_len)]
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                if p.returncode:
+                    sys.exit(p.stdout + p.stderr)
+                got = json.loads(p.stdout.strip().splitlines()[-1])
+                means[name].append(statistics.fmean(got["steps"]))
+                print(f"round {r} {name:>14}: {1e3 * means[name][-1]:.1f} ms a step", flush=True)
+        machine = common.machine(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = means.get("none")
+    added = {
+        k: common.stats([100 * (m / b - 1) for m, b in zip(v, base)]) for k, v in means.items() if base and k != "none"
+    }
+    import report
+
+    report.publish(
+        "everystep",
+        {
+            "machine": machine,
+            "rounds": a.rounds,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "model": f"GPT-2-shaped ({a.layers} layers, {a.width} wide), LoRA r=8 on c_attn, bs {a.bs} x {a.seq_len}",
+            "step_s": {k: common.stats(v) for k, v in means.items()},
+            "added_pct": added,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
