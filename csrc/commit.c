@@ -285,10 +285,19 @@ int frk_builder_size(const frk_builder *b, uint64_t *size, frk_error *err)
     return plan_layout(b, NULL, &index_offset, &index_size, size, err);
 }
 
-int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
-                       frk_error *err)
+/* A written file, not yet in place (frk_builder_write). */
+struct frk_pending {
+    int fd, dfd;
+    char tmp[256];
+    char *path; /* the target, as given */
+    const char *base;
+};
+
+int frk_builder_write(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
+                      frk_pending **out, frk_error *err)
 {
     int rc = FRK_OK, fd = -1, dfd = -1;
+    frk_pending *pending = NULL;
     uint64_t *offsets = NULL;
     uint8_t *index = NULL;
     char dir[4096], tmp[256];
@@ -437,29 +446,24 @@ int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_
     if (sink_put(&snk, index, index_size) || sink_put(&snk, foot, sizeof foot) ||
         sink_finish(&snk, file_size))
         goto io_error;
-    if ((flags & FRK_COMMIT_FSYNC) && fsync(fd))
-        goto io_error;
-    if (close(fd)) {
-        fd = -1;
-        goto io_error;
-    }
-    fd = -1;
-    if (renameat(dfd, tmp, dfd, base)) {
-        rc = frk_io_fail(err, "cannot rename the new checkpoint onto", path, errno);
+    size_t plen = strlen(path);
+    pending = malloc(sizeof *pending);
+    char *path_copy = malloc(plen + 1);
+    if (!pending || !path_copy) {
+        free(pending);
+        free(path_copy);
+        pending = NULL;
+        rc = frk_oom(err);
         goto fail_tmp;
     }
-    /* From here on the new file is complete and in place: a failing directory sync does not
-     * undo the save, it only leaves the rename not yet durable, and the message says so.
-     * (EINVAL: a file system that cannot sync directories, whose renames are as durable as
-     * it makes them.) */
-    if ((flags & FRK_COMMIT_FSYNC) && fsync(dfd) && errno != EINVAL) {
-        e = errno;
-        rc = frk_fail(err, FRK_EIO, e,
-                      "the new checkpoint is in place at %s, but syncing its directory failed: "
-                      "%s (errno %d); until the directory reaches the disk, a crash may bring "
-                      "back the file that was there before",
-                      path, strerror(e), e);
-    }
+    memcpy(path_copy, path, plen + 1);
+    pending->fd = fd;
+    pending->dfd = dfd;
+    memcpy(pending->tmp, tmp, sizeof tmp);
+    pending->path = path_copy;
+    pending->base = path_copy + (base - path);
+    fd = dfd = -1; /* the pending file's now */
+    *out = pending;
     if (written)
         *written = file_size;
     goto out;
@@ -480,4 +484,66 @@ out:
     free(offsets);
     free(index);
     return rc;
+}
+
+static void pending_free(frk_pending *p)
+{
+    if (p->fd >= 0)
+        close(p->fd);
+    if (p->dfd >= 0)
+        close(p->dfd);
+    free(p->path);
+    free(p);
+}
+
+void frk_abandon(frk_pending *p)
+{
+    if (!p)
+        return;
+    unlinkat(p->dfd, p->tmp, 0);
+    pending_free(p);
+}
+
+int frk_publish(frk_pending *p, unsigned flags, frk_error *err)
+{
+    int rc = FRK_OK, fd = p->fd;
+    p->fd = -1;
+    if ((flags & FRK_COMMIT_FSYNC) && fsync(fd)) {
+        rc = frk_io_fail(err, "cannot write checkpoint", p->path, errno);
+        close(fd);
+        frk_abandon(p);
+        return rc;
+    }
+    if (close(fd)) {
+        rc = frk_io_fail(err, "cannot write checkpoint", p->path, errno);
+        frk_abandon(p);
+        return rc;
+    }
+    if (renameat(p->dfd, p->tmp, p->dfd, p->base)) {
+        rc = frk_io_fail(err, "cannot rename the new checkpoint onto", p->path, errno);
+        frk_abandon(p);
+        return rc;
+    }
+    /* From here on the new file is complete and in place: a failing directory sync does not
+     * undo the save, it only leaves the rename not yet durable, and the message says so.
+     * (EINVAL: a file system that cannot sync directories, whose renames are as durable as
+     * it makes them.) */
+    if ((flags & FRK_COMMIT_FSYNC) && fsync(p->dfd) && errno != EINVAL) {
+        int e = errno;
+        rc = frk_fail(err, FRK_EIO, e,
+                      "the new checkpoint is in place at %s, but syncing its directory failed: "
+                      "%s (errno %d); until the directory reaches the disk, a crash may bring "
+                      "back the file that was there before",
+                      p->path, strerror(e), e);
+    }
+    pending_free(p);
+    return rc;
+}
+
+int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
+                       frk_error *err)
+{
+    frk_pending *p = NULL;
+    int rc = frk_builder_write(b, path, flags, written, &p, err);
+    return rc ? rc : frk_publish(p, flags, err);
 }

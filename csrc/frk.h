@@ -185,6 +185,18 @@ int frk_builder_put_tensor(frk_builder *b, uint64_t tensor, frk_error *err);
  * without the GIL: touches no Python state.  *written receives the file size. */
 int frk_builder_commit(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
                        frk_error *err);
+/* The two halves of frk_builder_commit, for a caller that publishes later (in another thread):
+ * frk_builder_write writes the whole file to its temporary name (everything of the commit up to
+ * the sync) and hands it over, open, in *out; frk_publish then syncs it (flags & FRK_COMMIT_FSYNC),
+ * renames it over its path and syncs the directory, and frees *p (whatever it returns);
+ * frk_abandon removes the temporary file and frees *p.  A written file is complete and
+ * checksummed but not in place: until published, a crash leaves only its temporary file (which
+ * readers never take for a checkpoint). frk_builder_commit is the write and the publish at once. */
+typedef struct frk_pending frk_pending;
+int frk_builder_write(frk_builder *b, const char *path, unsigned flags, uint64_t *written,
+                      frk_pending **out, frk_error *err);
+int frk_publish(frk_pending *p, unsigned flags, frk_error *err);
+void frk_abandon(frk_pending *p);
 /* *size receives the bytes the commit of what b holds now will write (a full disk's error says
  * how much room the checkpoint needs).  Fails only for a checkpoint of 2^64 bytes or more. */
 int frk_builder_size(const frk_builder *b, uint64_t *size, frk_error *err);

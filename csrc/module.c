@@ -65,7 +65,8 @@ static PyObject *raise_frk(core_state *st, const frk_error *err)
 
 typedef enum {
     WRITER_OPEN,       /* values may be added */
-    WRITER_COMMITTING, /* commit() runs without the GIL */
+    WRITER_COMMITTING, /* commit(), write() or publish() runs without the GIL */
+    WRITER_WRITTEN,    /* write() has written the file: publish() or abandon() is next */
     WRITER_DONE,
 } writer_phase;
 
@@ -80,6 +81,7 @@ typedef struct {
     uint64_t written;
     int rc;
     frk_error err;
+    frk_pending *pending; /* WRITER_WRITTEN: the written file, not yet in place */
 } WriterObject;
 
 /* True while values may still be added; otherwise raises. */
@@ -127,6 +129,7 @@ static void Writer_dealloc(WriterObject *w)
 {
     PyTypeObject *tp = Py_TYPE(w);
     writer_release_views(w);
+    frk_abandon(w->pending); /* written, never published: its temporary file goes */
     frk_builder_free(w->b);
     PyMem_Free(w->path);
     tp->tp_free(w);
@@ -404,6 +407,58 @@ static PyObject *Writer_commit(WriterObject *w, PyObject *args, PyObject *kw)
     return writer_result(w);
 }
 
+static PyObject *Writer_write(WriterObject *w, PyObject *args, PyObject *kw)
+{
+    if (writer_prepare(w, args, kw))
+        return NULL;
+    w->phase = WRITER_COMMITTING;
+    Py_BEGIN_ALLOW_THREADS
+    w->rc = frk_builder_write(w->b, w->path, w->flags, &w->written, &w->pending, &w->err);
+    Py_END_ALLOW_THREADS
+    w->phase = w->rc ? WRITER_DONE : WRITER_WRITTEN;
+    PyMem_Free(w->path);
+    w->path = NULL;
+    writer_release_views(w); /* the bytes are in the file: let the tensors go */
+    if (w->rc)
+        return raise_frk(state_of_type(Py_TYPE(w)), &w->err);
+    return PyLong_FromUnsignedLongLong(w->written);
+}
+
+/* True in WRITER_WRITTEN (the step that follows a write is taken by this thread); otherwise raises. */
+static int writer_written(WriterObject *w)
+{
+    if (w->phase == WRITER_WRITTEN)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "this Writer holds no written file (write() first, once)");
+    return 0;
+}
+
+static PyObject *Writer_publish(WriterObject *w, PyObject *Py_UNUSED(a))
+{
+    if (!writer_written(w))
+        return NULL;
+    frk_pending *p = w->pending;
+    w->pending = NULL;
+    w->phase = WRITER_COMMITTING;
+    Py_BEGIN_ALLOW_THREADS
+    w->rc = frk_publish(p, w->flags, &w->err);
+    Py_END_ALLOW_THREADS
+    w->phase = WRITER_DONE;
+    if (w->rc)
+        return raise_frk(state_of_type(Py_TYPE(w)), &w->err);
+    return PyLong_FromUnsignedLongLong(w->written);
+}
+
+static PyObject *Writer_abandon(WriterObject *w, PyObject *Py_UNUSED(a))
+{
+    if (!writer_written(w))
+        return NULL;
+    frk_abandon(w->pending);
+    w->pending = NULL;
+    w->phase = WRITER_DONE;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Writer_get_size(WriterObject *w, void *Py_UNUSED(c))
 {
     if (!writer_open(w)) /* a commit may be reading the builder in another thread */
@@ -447,6 +502,16 @@ static PyMethodDef Writer_methods[] = {
      "commit($self, /, path, fsync=True, direct=True)\n--\n\n"
      "Write the checkpoint atomically, with the GIL released; returns the bytes written.\n"
      "With fsync, direct writes around the page cache (O_DIRECT) where the file system allows."},
+    {"write", (PyCFunction)(void (*)(void))Writer_write, METH_VARARGS | METH_KEYWORDS,
+     "write($self, /, path, fsync=True, direct=True)\n--\n\n"
+     "The first half of commit: the whole file written to a temporary name beside path and kept\n"
+     "there (the GIL released); returns the bytes written. publish() puts it in place."},
+    {"publish", (PyCFunction)Writer_publish, METH_NOARGS,
+     "publish($self, /)\n--\n\n"
+     "The second half of commit: the written file synced (fsync=True), renamed onto its path and\n"
+     "its directory synced, with the GIL released; returns the bytes written."},
+    {"abandon", (PyCFunction)Writer_abandon, METH_NOARGS,
+     "abandon($self, /)\n--\n\nRemove the written file, never published."},
     {NULL},
 };
 #undef PUT_DOC

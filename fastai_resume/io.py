@@ -298,6 +298,18 @@ def commit(w: _core.Writer, path: PathLike, fsync: bool = True, direct: bool = T
         raise DiskFullError(e, path, needed) from None
 
 
+def write(w: _core.Writer, path: PathLike, fsync: bool = True, direct: bool = True) -> int:
+    """`w.write(...)`: the first half of `commit`, the file written whole beside `path` and kept there for
+    `w.publish()` (or `w.abandon()`); a full disk raises `DiskFullError`, as `commit`'s does."""
+    needed = w.size
+    try:
+        return w.write(os.fspath(path), fsync=fsync, direct=direct)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise DiskFullError(e, path, needed) from None
+
+
 def save(tree: Any, path: PathLike, fsync: bool = True) -> int:
     """Save `tree` to `path` atomically and durably; returns the bytes written. A synced save is
     written around the page cache (O_DIRECT) where the file system allows it: the checkpoint does

@@ -200,20 +200,21 @@ class RunFolder:
         milliseconds, which training need not wait for."""
         folder = self.folder if folder is None else folder
         try:
-            files = self.checkpoints(folder)
-            if kept_names is None:
-                kept_names = [p.name for p in files[-self.keep :]]
-            stale = [p for p in files if p.name not in kept_names]
-            kept = {f"{self.attempt_of(Path(n)):03d}" for n in kept_names}
-            if self.attempt is not None:  # those of the current attempt stay while it runs
-                kept.add(f"{self.attempt:03d}")
-            stale += sorted(p for p in folder.iterdir() if (m := self.ends.match(p.name)) and m[1] not in kept)
+            names = sorted(os.listdir(folder))  # (one listing: a save at every step runs this at every step)
         except OSError as e:
             return [f"AutoCheckpoint: could not list {folder} to remove old checkpoints: {e}"]
+        files = [n for n in names if self.pattern.match(n)]
+        if kept_names is None:
+            kept_names = files[-self.keep :]
+        stale = [n for n in files if n not in kept_names]
+        kept = {f"{self.attempt_of(Path(n)):03d}" for n in kept_names}
+        if self.attempt is not None:  # those of the current attempt stay while it runs
+            kept.add(f"{self.attempt:03d}")
+        stale += [n for n in names if (m := self.ends.match(n)) and m[1] not in kept]
         failed = []
-        for old in stale:
+        for old in (folder / n for n in stale):
             try:
-                stored.remove(old)  # (a file, or a sharded checkpoint's folder)
+                stored.remove(old, names)  # (a file, or a sharded checkpoint's folder)
             except FileNotFoundError:
                 pass  # (another rank of this node removed it first)
             except OSError as e:

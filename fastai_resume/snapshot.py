@@ -194,14 +194,26 @@ def _advise(m: mmap.mmap, name: str, *where: int) -> None:
             pass
 
 
+# A checkpoint of at most this many bytes is written by the training thread itself, from the live
+# tensors, through the page cache (a copy into the cache: no snapshot of its own, and no Python in the
+# writer thread), and only published by the thread: its sync, rename and directory sync. A bigger one
+# is snapshotted and written by the thread around the page cache. (bench/everystep.py: a LoRA fine-tune's
+# every-step checkpoint, a few MB.)
+WRITE_NOW_MAX = 16 << 20
+
+
 class BackgroundCommit:
-    """Snapshots `tree` into `pool`'s buffers now, then commits it to `path` from a thread, with
-    the GIL released while it writes. `done`: whether the commit has ended; `wait()` returns the
-    bytes written or raises the commit's error; `seconds`: how long the commit took, once done.
+    """Commits `tree` to `path` in the background: training waits only for what must happen at the batch
+    boundary. A checkpoint of up to `write_now_max` bytes is encoded and written now, from the live tensors,
+    to its temporary file (through the page cache); a thread then syncs it, renames it into place and syncs
+    the directory, with the GIL released. A bigger one is snapshotted into `pool`'s buffers now, then
+    written by the thread. `done`: whether the commit has ended; `wait()` returns the bytes written or
+    raises the commit's error (a full disk met while writing now included); `seconds`: how long the
+    thread's part took, once done.
 
     The thread keeps the process's priority (at a lower one a write on busy cores takes several times
-    as long, and the next save waits for it). With `direct` it only makes system calls: big storages
-    were checksummed during the copy, and the bytes go to the disk around the page cache
+    as long, and the next save waits for it). With `direct` a snapshot's thread only makes system calls:
+    big storages were checksummed during the copy, and the bytes go to the disk around the page cache
     (`direct=False`: through it; bench/overhead.py measures both ways in the same run).
 
     `then`, if given, runs in the thread once the commit has succeeded (never after a failed one);
@@ -217,20 +229,33 @@ class BackgroundCommit:
         fsync: bool = True,
         then: Callable[[], Any] | None = None,
         direct: bool = True,
+        write_now_max: int = WRITE_NOW_MAX,
     ):
-        pool = pool or SnapshotPool()
-        self._writer = io.encode(pool.snapshot(tree), pool.crcs)  # an unstorable value raises here, in this thread
         self._result = self._error = self.seconds = None
         self.then_result = self.then_error = self.then_seconds = None
-        self._then, self.direct = then, direct
+        self._then, self.direct, self.written_now = then, direct, False
+        writer = io.encode(tree)  # an unstorable value raises here, in this thread
+        if writer.size <= write_now_max:
+            self.written_now = True
+            try:
+                io.write(writer, path, fsync=fsync, direct=False)
+            except OSError as e:  # (a full disk: said by `wait()`, as the thread's errors are)
+                self._error = e
+        else:
+            pool = pool or SnapshotPool()
+            writer = io.encode(pool.snapshot(tree), pool.crcs)
+            pool.user = self
+        self._writer = writer
         self._thread = threading.Thread(target=self._run, args=(os.fspath(path), fsync), name="fastai_resume-commit")
         self._thread.start()
-        pool.user = self
 
     def _run(self, path, fsync):
         t0 = time.perf_counter()
         try:
-            self._result = io.commit(self._writer, path, fsync=fsync, direct=self.direct)
+            if self._error is None and self.written_now:
+                self._result = self._writer.publish()
+            elif self._error is None:
+                self._result = io.commit(self._writer, path, fsync=fsync, direct=self.direct)
         except BaseException as e:
             self._error = e
         finally:

@@ -266,7 +266,10 @@ def _attrs(m, own: Callable[[], set]) -> dict:
     """A module's plain attributes that hold tensors between batches (the fastai book's `self.h` of its RNNs):
     public names only (torch keeps its own as `_...`), never one that shares memory with a parameter or
     buffer (a `.data` alias must stay one). `own()`: the storages of the model's parameters and buffers."""
-    found = {k: v for k, v in m.__dict__.items() if isinstance(v, _HOLDERS) and _public(k) and held(v)}
+    d = m.__dict__
+    if not any(issubclass(t, _HOLDERS) for t in set(map(type, d.values()))):
+        return {}  # (the common case, told by the few kinds of its values: an LLM's every-step save walks hundreds)
+    found = {k: v for k, v in d.items() if isinstance(v, _HOLDERS) and _public(k) and held(v)}
     return {k: v for k, v in found.items() if not (_storages(v) & own())} if found else found
 
 

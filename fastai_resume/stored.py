@@ -113,10 +113,15 @@ def data_log(path: Path, rank: int) -> Path:
     return path.with_name(path.name + ".datalog" + (f".rank{rank}" if rank else ""))
 
 
-def remove(path) -> None:
-    "Remove a checkpoint, a file or a folder (its manifest first: from then on it no longer exists), and its data logs."
+def remove(path, listing: list | None = None) -> None:
+    """Remove a checkpoint, a file or a folder (its manifest first: from then on it no longer exists), and its
+    data logs (`listing`: the names in its folder, where the caller has listed it)."""
     p = Path(path)
-    for log in p.parent.glob(glob.escape(p.name) + ".datalog*"):
+    if listing is None:
+        logs = list(p.parent.glob(glob.escape(p.name) + ".datalog*"))
+    else:
+        logs = [p.parent / n for n in listing if n.startswith(p.name + ".datalog")]
+    for log in logs:
         try:
             log.unlink()
         except FileNotFoundError:

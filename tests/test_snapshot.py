@@ -137,11 +137,15 @@ def test_conjugated_views_resolved_one_after_another_each_keep_their_own_values(
     assert [complex(s[0]) for s in snap] == [complex(i, -(i + 1)) for i in range(20)]
 
 
-def test_a_background_save_writes_the_bytes_a_synchronous_save_writes_its_checksums_taken_while_copying(tmp_path):
+@pytest.mark.parametrize("now", [False, True], ids=["snapshot", "written-now"])
+def test_a_background_save_writes_the_bytes_a_synchronous_save_writes_its_checksums_taken_while_copying(tmp_path, now):
     """Big storages are copied into page-aligned buffers with their CRC32C taken during the copy
     (the commit then does not read them for it) and written around the page cache: the file is
-    the synchronous save's, byte for byte, through the pool's reused buffers too."""
+    the synchronous save's, byte for byte, through the pool's reused buffers too. A checkpoint written
+    now (at most `write_now_max` bytes: from the live tensors, published by the thread) is the same
+    file, and copies nothing."""
     from fastai_resume import _core
+    from fastai_resume.snapshot import WRITE_NOW_MAX
 
     tree = state()
     tree["model"]["big"] = torch.randn(3 << 18)  # 3 MiB: page-aligned, checksummed while copied
@@ -149,10 +153,15 @@ def test_a_background_save_writes_the_bytes_a_synchronous_save_writes_its_checks
     pool = SnapshotPool()
     for i in range(2):
         tree["model"]["big"].add_(1)
-        BackgroundCommit(tree, tmp_path / "bg.frk", pool).wait()
+        bc = BackgroundCommit(tree, tmp_path / "bg.frk", pool, write_now_max=WRITE_NOW_MAX if now else 0)
+        assert bc.written_now == now
+        bc.wait()
         fr.save(tree, tmp_path / "sync.frk")
         assert (tmp_path / "bg.frk").read_bytes() == (tmp_path / "sync.frk").read_bytes(), f"save {i}"
         snap_crcs = dict(pool.crcs)
+        if now:
+            assert snap_crcs == {} and sorted(p.name for p in tmp_path.iterdir()) == ["bg.frk", "sync.frk"]
+            continue
         assert len(snap_crcs) == 2  # the two storages of at least PAGE_ALIGN_MIN bytes
         for (addr, n), crc in snap_crcs.items():
             assert addr % _core.PAGE_ALIGN == 0 and n >= _core.PAGE_ALIGN_MIN

@@ -1090,6 +1090,83 @@ static int64_t read_gen(const char *path)
     return gen;
 }
 
+/* A builder of commit_gen's checkpoint, written to path's temporary file and handed over (*out). */
+static int write_gen(const char *path, int64_t gen, size_t n, unsigned flags, frk_pending **out,
+                     frk_error *err)
+{
+    uint8_t *data = xmalloc(n);
+    memset(data, (int)(gen & 0xff), n);
+    frk_builder *b = frk_builder_new();
+    uint64_t bi, ti;
+    int rc = frk_builder_add_blob(b, data, n, &bi, err);
+    if (!rc)
+        rc = frk_builder_add_tensor(b, 0, FRK_DT_U8, bi, 0, 1, (int64_t[]){(int64_t)n},
+                                    (int64_t[]){1}, &ti, err);
+    if (!rc)
+        rc = frk_builder_put_container(b, FRK_TAG_DICT, 2, err);
+    if (!rc)
+        rc = frk_builder_put_str(b, FRK_TAG_STR, "gen", 3, err);
+    if (!rc)
+        rc = frk_builder_put_int(b, gen, err);
+    if (!rc)
+        rc = frk_builder_put_str(b, FRK_TAG_STR, "blob", 4, err);
+    if (!rc)
+        rc = frk_builder_put_tensor(b, ti, err);
+    if (!rc)
+        rc = frk_builder_write(b, path, flags, NULL, out, err);
+    frk_builder_free(b); /* the written file no longer needs the builder */
+    free(data);
+    return rc;
+}
+
+/* The two halves of a commit: a written file is a temporary file only (the old checkpoint stays in
+ * place, readable) until it is published; abandoned, nothing of it is left; a publish whose rename
+ * fails (its directory gone) removes it and says so. */
+static void test_write_then_publish_or_abandon(void)
+{
+    char path[512];
+    frk_error err;
+    frk_pending *p = NULL;
+    path_in(path, sizeof path, "halves.frk");
+    CHECK(commit_gen(path, 1, 1000, FRK_COMMIT_FSYNC, &err) == FRK_OK);
+    CHECK(write_gen(path, 2, 3u << 20, FRK_COMMIT_FSYNC | FRK_COMMIT_DIRECT, &p, &err) == FRK_OK);
+    CHECK(p != NULL);
+    CHECK(read_gen(path) == 1);
+    CHECK(count_temps(tmpdir, "halves.frk") == 1);
+    CHECK(frk_publish(p, FRK_COMMIT_FSYNC, &err) == FRK_OK);
+    CHECK(read_gen(path) == 2);
+    CHECK(count_temps(tmpdir, "halves.frk") == 0);
+
+    p = NULL;
+    CHECK(write_gen(path, 3, 1000, 0, &p, &err) == FRK_OK);
+    CHECK(count_temps(tmpdir, "halves.frk") == 1);
+    frk_abandon(p);
+    frk_abandon(NULL);
+    CHECK(read_gen(path) == 2);
+    CHECK(count_temps(tmpdir, "halves.frk") == 0);
+
+    char sub[512], inner[600];
+    path_in(sub, sizeof sub, "halves-dir");
+    CHECK(mkdir(sub, 0777) == 0);
+    snprintf(inner, sizeof inner, "%s/x.frk", sub);
+    p = NULL;
+    CHECK(write_gen(inner, 4, 1000, 0, &p, &err) == FRK_OK);
+    char tmpname[600];
+    DIR *d = opendir(sub);
+    struct dirent *e;
+    tmpname[0] = 0;
+    while (d && (e = readdir(d)))
+        if (e->d_name[0] != '.' || strlen(e->d_name) > 2)
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, ".."))
+                snprintf(tmpname, sizeof tmpname, "%s/%s", sub, e->d_name);
+    if (d)
+        closedir(d);
+    CHECK(tmpname[0] && unlink(tmpname) == 0); /* the temporary file gone before the publish */
+    CHECK(frk_publish(p, 0, &err) == FRK_EIO);
+    CHECKF(strstr(err.msg, "cannot rename") != NULL, "%s", err.msg);
+    CHECK(rmdir(sub) == 0); /* nothing left in it */
+}
+
 static void test_commit_replaces_atomically(void)
 {
     char path[512];
@@ -3216,6 +3293,7 @@ int main(int argc, char **argv)
     run_test("roundtrip_builder_commit_map_read", test_roundtrip);
     run_test("builder_rejects_bad_input", test_builder_rejects);
     run_test("commit_replaces_atomically", test_commit_replaces_atomically);
+    run_test("write_then_publish_or_abandon", test_write_then_publish_or_abandon);
     run_test("commit_failures_leave_no_temp", test_commit_failures);
     run_test("commit_directory_sync_failures_are_told", test_commit_directory_sync);
     run_test("commit_long_names_get_a_short_temp_name", test_commit_long_names);
