@@ -87,12 +87,13 @@ class Stages:
     def __init__(self, a):
         self.a = a
         self.die = tuple(map(int, a.die.split(","))) if a.die else None
+        self.die_mid = tuple(map(int, a.die_mid.split(","))) if a.die_mid else None
 
     def cbs(self, learn, name="crash"):
         "The user's checkpoint callbacks of a learner whose resumable checkpoints are named `name`."
         from fastai.callback.core import Callback
 
-        a, die = self.a, self.die
+        a, die, die_mid = self.a, self.die, self.die_mid
 
         class UserSaver(Callback):
             "What a user writes to save a resumable checkpoint every N batches."
@@ -105,6 +106,14 @@ class Stages:
 
         class Die(Callback):
             order = 120
+
+            def after_pred(self):  # `--die-mid`: in the middle of the next batch's step, no save of its own
+                sc = fastai_resume.script.script(self.learn)
+                if die_mid is None or not self.training or sc.stage is None:
+                    return
+                if (STAGE[0] + sc.stage.index, self.epoch, self.iter) == die_mid:
+                    sys.stdout.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
 
             def after_batch(self):
                 sc = fastai_resume.script.script(self.learn)
@@ -373,6 +382,7 @@ def main(argv=None):
     ap.add_argument("app", choices=["text", "vision", "unet", "tabular", "collab", "llm"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--die", default=None)
+    ap.add_argument("--die-mid", default=None)  # S,E,K: SIGKILL in the step of batch K+1 (its forward done), unsaved
     ap.add_argument("--resume", default="manual", choices=["none", "manual", "auto"])
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--break-rng", action="store_true")

@@ -52,6 +52,25 @@ def test_hf_tutorial_lora_killed_mid_accumulation_is_exact_down_to_the_adapter_f
     assert "adapter/adapter_model.safetensors" in ref["files"]  # (compared bitwise by assert_same)
 
 
+def test_hf_tutorial_lora_saved_at_every_step_in_the_background_killed_mid_step_is_exact(tmp_root, tmp_path):
+    """`AutoCheckpoint(every_iters=1)` with its background saves (each written at its batch's end, published
+    by a thread while the next batch trains), SIGKILL in the middle of a step, no save of its own: the newest
+    checkpoint is that of the batch before (or, its publish in flight, the one before it), and the rerun, which
+    saves at every step too, is bitwise the uninterrupted run."""
+    import re
+
+    ref, ref_values = app_reference(tmp_root, "llm")
+    every = ("--resume", "auto", "--every", "1")
+    run_app("llm", tmp_path, tmp_path / "dead.frk", "--die-mid", "0,0,7", *every, expect=-signal.SIGKILL)
+    names = sorted(p.name for p in (tmp_path / "models").glob("auto-*-i*.frk"))
+    assert len(names) == 2  # keep=2: retention at every step
+    assert int(re.search(r"-i(\d+)\.frk$", names[-1])[1]) in (6, 7)  # killed in the step of batch 8 (i 7)
+    log = run_app("llm", tmp_path, tmp_path / "out.frk", *every)
+    assert "resuming" in log
+    assert values(log) == ref_values
+    assert_same(ref, fr.load(tmp_path / "out.frk"), ("model",))
+
+
 def test_a_rerun_on_another_base_model_is_refused_naming_the_tensor(tmp_root, tmp_path):
     run_app("llm", tmp_path, tmp_path / "dead.frk", "--die", MID_ACCUMULATION, expect=-signal.SIGKILL)
     log = run_app("llm", tmp_path, tmp_path / "out.frk", "--base-seed", "1", expect=1)
