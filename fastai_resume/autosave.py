@@ -79,10 +79,15 @@ class AutoCheckpoint(Callback):
       file not named so, are never touched.
     - `every_iters=N`: after every training batch whose `train_iter` (batches trained in this fit) is a
       multiple of N, whatever the epoch-end saves do.
-    - `background=True`: the state is copied at the batch boundary (into the previous save's
+    - `background=True`: a checkpoint of up to 16 MB (`snapshot.WRITE_NOW_MAX`: a LoRA fine-tune's) is
+      written at the batch boundary from the live tensors and synced, renamed into place and its folder
+      synced by a thread; a bigger one is copied at the batch boundary (into the previous save's
       buffers) and written by a thread with the GIL released while training goes on; at most one
       save is in flight (a save due while one is still writing waits for it), and the fit's end
-      waits for it. A failed save raises at the next
+      waits for it. `background='auto'` (the default): the same, but where the fit trains on the CPU a
+      small checkpoint is also synced and put in place at the batch boundary (there a thread's sync
+      competes with training for the cores: bench/everystep.py). `background=False`: every save is
+      written, synced and put in place at the batch boundary. A failed save raises at the next
       batch boundary (`on_error='warn'`: a loud warning instead, for background and synchronous saves).
       A save that finds the disk full removes this run's older checkpoints (never the newest valid
       one) and tries again once; each time it says so, in a warning and a printed line (the folder,
@@ -118,7 +123,7 @@ class AutoCheckpoint(Callback):
         every_seconds=None,
         every_epoch=True,
         keep=3,
-        background=True,
+        background="auto",
         resume=True,
         preempt=True,
         on_error="raise",
@@ -129,6 +134,8 @@ class AutoCheckpoint(Callback):
     ):
         if keep < 1:
             raise ValueError("AutoCheckpoint(keep=...) must keep at least one checkpoint")
+        if background not in (True, False, "auto"):
+            raise ValueError("background must be True, False or 'auto'")
         if on_error not in ("raise", "warn"):
             raise ValueError("on_error must be 'raise' or 'warn'")
         if not re.fullmatch(r"[\w.]+", fname) or len(fname) > 64:
@@ -354,6 +361,10 @@ class Saves:
         return {**self.__dict__, "inflight": None, "failure": None, "pool": SnapshotPool(), "mirror": None}
 
     def save(self, learn, s, files, background):
+        with dist.one_answer():
+            return self._save(learn, s, files, background)
+
+    def _save(self, learn, s, files, background):
         self.retry = False
         pos = s.position()
         if pos is None:
@@ -376,7 +387,12 @@ class Saves:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             w = BackgroundCommit(
-                tree, path, self.pool, then=functools.partial(files.remove_stale, path.parent), direct=self.direct
+                tree,
+                path,
+                self.pool,
+                then=functools.partial(files.remove_stale, path.parent),
+                direct=self.direct,
+                publish_here=background == "auto" and _trains_on_cpu(learn),
             )
         except (OSError, TypeError, ValueError, RuntimeError) as e:
             if not dist.active():
@@ -468,6 +484,16 @@ class Saves:
         raise OSError(
             None, "AutoCheckpoint: rank 0's save failed (its error says why); the previous checkpoints are intact"
         )
+
+
+def _trains_on_cpu(learn) -> bool:
+    "Whether the fit computes on the CPU (fastai's loaders' device, else the parameters'): no accelerator to wait for."
+    import torch
+
+    dev = getattr(learn.dls, "device", None)
+    if dev is None:
+        dev = next(iter(learn.model.parameters()), torch.empty(0)).device
+    return torch.device(dev).type == "cpu"
 
 
 def _retain(files, every_rank: bool = False) -> None:

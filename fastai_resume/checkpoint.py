@@ -60,6 +60,11 @@ def build_tree(learn, with_opt=True, with_iter=False, full=False) -> dict | None
     Under torch.distributed, `with_iter` is collective (every rank's RNG, loader and Recorder state go
     to rank 0) and ranks other than 0 get None: they have nothing to write. A sharded model's ranks each
     get their own tree (DTensors in it), with nothing gathered (`sharded.commit` writes it)."""
+    with dist.one_answer():
+        return _build_tree(learn, with_opt, with_iter, full)
+
+
+def _build_tree(learn, with_opt, with_iter, full) -> dict | None:
     train = None
     if with_iter:
         if getattr(learn, "opt", None) is None:

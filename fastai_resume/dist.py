@@ -26,6 +26,7 @@ on the outcome with `all_gather_ints`, a few integers each.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -355,15 +356,37 @@ def sharded(model) -> bool:
     can exist before torch imports them: without them nothing is imported here."""
     if model is None:
         return False
+    if _ASKED and id(model) in _ASKED[-1]:
+        return _ASKED[-1][id(model)][1]
     fsdp, tensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
     if fsdp is None and tensor is None:
         return False
     kinds = (fsdp.FSDPModule,) if fsdp is not None else ()
     dtensor = tensor.DTensor if tensor is not None else None
-    for m in model.modules():  # (one walk: a resume's checks call this on every stage's start)
-        if isinstance(m, kinds) or (dtensor and any(isinstance(p, dtensor) for p in m._parameters.values())):
-            return True
-    return False
+    found = any(
+        isinstance(m, kinds) or (dtensor and any(isinstance(p, dtensor) for p in m._parameters.values()))
+        for m in model.modules()  # (one walk: a resume's checks call this on every stage's start)
+    )
+    if _ASKED:
+        _ASKED[-1][id(model)] = (model, found)
+    return found
+
+
+_ASKED: list = []  # within `one_answer`: {id(model): (model, sharded)}
+
+
+@contextlib.contextmanager
+def one_answer():
+    """Within it, `sharded` walks each model once: a save asks it in several places (nothing shards a model
+    in the middle of a save), and a save at every step of an LLM would walk its modules each time."""
+    if _ASKED:  # (inside another: its answers)
+        yield
+        return
+    _ASKED.append({})
+    try:
+        yield
+    finally:
+        _ASKED.pop()
 
 
 def is_distributed_dl(dl) -> bool:

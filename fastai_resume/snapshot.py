@@ -206,10 +206,11 @@ class BackgroundCommit:
     """Commits `tree` to `path` in the background: training waits only for what must happen at the batch
     boundary. A checkpoint of up to `write_now_max` bytes is encoded and written now, from the live tensors,
     to its temporary file (through the page cache); a thread then syncs it, renames it into place and syncs
-    the directory, with the GIL released. A bigger one is snapshotted into `pool`'s buffers now, then
-    written by the thread. `done`: whether the commit has ended; `wait()` returns the bytes written or
-    raises the commit's error (a full disk met while writing now included); `seconds`: how long the
-    thread's part took, once done.
+    the directory, with the GIL released (`publish_here`: that too is done now, in this thread: where training
+    keeps every core busy, a thread's sync competes with it; bench/everystep.py). A bigger one is snapshotted
+    into `pool`'s buffers now, then written by the thread. `done`: whether the commit has ended; `wait()`
+    returns the bytes written or raises the commit's error (a full disk met while writing now included);
+    `seconds`: how long the thread's part took, once done.
 
     The thread keeps the process's priority (at a lower one a write on busy cores takes several times
     as long, and the next save waits for it). With `direct` a snapshot's thread only makes system calls:
@@ -230,6 +231,7 @@ class BackgroundCommit:
         then: Callable[[], Any] | None = None,
         direct: bool = True,
         write_now_max: int = WRITE_NOW_MAX,
+        publish_here: bool = False,
     ):
         self._result = self._error = self.seconds = None
         self.then_result = self.then_error = self.then_seconds = None
@@ -246,6 +248,10 @@ class BackgroundCommit:
             writer = io.encode(pool.snapshot(tree), pool.crcs)
             pool.user = self
         self._writer = writer
+        self._thread: threading.Thread | None = None
+        if self.written_now and publish_here:
+            self._run(os.fspath(path), fsync)  # (its sync, rename and directory sync: here, no thread)
+            return
         self._thread = threading.Thread(target=self._run, args=(os.fspath(path), fsync), name="fastai_resume-commit")
         self._thread.start()
 
@@ -271,10 +277,11 @@ class BackgroundCommit:
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> int | None:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._error is not None:
             raise self._error
         return self._result

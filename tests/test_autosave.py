@@ -128,8 +128,9 @@ def test_a_kill_between_the_last_commit_and_its_retention_is_trimmed_at_autoresu
 def test_background_saves_retire_old_checkpoints_in_their_writer_thread(tmp_path, monkeypatch):
     """Unlinking a big file takes tens of milliseconds: a background save removes the checkpoints
     retention retires from its writer thread, after its commit; one it cannot remove is still named
-    in a warning, given in the training thread."""
-    cb = fr.AutoCheckpoint(every_iters=10, keep=2, every_epoch=False)
+    in a warning, given in the training thread. (`background=True`: under the default, 'auto', a fit on
+    the CPU puts a small checkpoint in place at the batch boundary, its retention with it.)"""
+    cb = fr.AutoCheckpoint(every_iters=10, keep=2, every_epoch=False, background=True)
     learn = build(tmp_path, noise=False, extra_cbs=[cb])
     with learn.no_bar(), learn.no_logging():
         learn.fit(1, 1e-3)
@@ -145,7 +146,7 @@ def test_background_saves_retire_old_checkpoints_in_their_writer_thread(tmp_path
         return real_unlink(self, *a, **k)
 
     monkeypatch.setattr(Path, "unlink", unlink)
-    cb2 = fr.AutoCheckpoint(every_iters=10, keep=2, every_epoch=False, resume=False)
+    cb2 = fr.AutoCheckpoint(every_iters=10, keep=2, every_epoch=False, resume=False, background=True)
     learn2 = build(tmp_path, noise=False, extra_cbs=[cb2])
     given = []  # (message, the thread that gave it)
     with warnings.catch_warnings():
