@@ -115,6 +115,7 @@ bench: build
 	$(PY) bench/sharded.py
 	$(PY) bench/llm.py
 	$(PY) bench/streams.py
+	$(PY) bench/everystep.py
 	$(PY) bench/report.py
 
 clean:

@@ -13,8 +13,13 @@ weights from its config) written with `save_pretrained` and loaded with `from_pr
 
 A step's time is the time from one training batch's start to the next's (everything the callbacks do
 after it included); the first `--warmup` steps of each process are left out (the first save allocates
-its buffers). Contenders interleaved, `--rounds` rounds; each figure is the median of the rounds' means,
-and the overhead is paired by round (a contender's mean step against the same round's `none`).
+its buffers). Also measured in the same processes: the time from the callbacks before AutoCheckpoint's at
+each batch's end to the next batch's start, less the same in the same round's run without checkpoints
+(the save's own time at the training thread: what the machine's noise, several percent from one process
+to the next on this shared machine, does not blur; a thread's competition for the cores and the caches a
+save evicts are only in the step). Contenders interleaved, `--rounds` rounds; each figure is the median
+of the rounds' means, and the overhead is paired by round (a contender's mean step against the same
+round's `none`).
 
     python bench/everystep.py [--rounds 5] [--steps 40]
 """
@@ -91,11 +96,24 @@ def one_run(a):
         def before_batch(self):
             if self.training:
                 starts.append(time.perf_counter())
+                if ends:
+                    stalls.append(starts[-1] - ends[-1])
 
         def after_train(self):
             starts.append(time.perf_counter())
+            stalls.append(starts[-1] - ends[-1])
 
-    cbs = [Clock()]
+    stalls: list = []  # from the callbacks before AutoCheckpoint's (order 100) at a batch's end to the next start
+    ends: list = []
+
+    class Before(Callback):
+        order = 99.5  # (a save completes the event's later callbacks first: measured to the next batch's start)
+
+        def after_batch(self):
+            if self.training:
+                ends.append(time.perf_counter())
+
+    cbs = [Clock(), Before()]
     if settings is not None:
         cbs.append(fr.AutoCheckpoint(every_epoch=False, **settings))
     with learn.no_bar(), learn.no_logging():
@@ -103,7 +121,8 @@ def one_run(a):
     steps = [b - a_ for a_, b in zip(starts, starts[1:])][a.warmup :]
     saved = len(os.listdir(os.path.join(work, "models"))) if settings else 0
     shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"steps": steps, "threads": torch.get_num_threads(), "files": saved}))
+    out = {"steps": steps, "tails": stalls[a.warmup :], "threads": torch.get_num_threads(), "files": saved}
+    print(json.dumps(out))
 
 
 def main():
@@ -131,6 +150,7 @@ def main():
         cfg = GPT2Config(n_layer=a.layers, n_embd=a.width, n_head=a.width // 64)
         GPT2LMHeadModel(cfg).save_pretrained(os.path.join(work, "base"))
         means: dict = {k: [] for k in names}
+        stalls: dict = {k: [] for k in names}
         for r in range(a.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
@@ -142,7 +162,12 @@ def main():
                     sys.exit(p.stdout + p.stderr)
                 got = json.loads(p.stdout.strip().splitlines()[-1])
                 means[name].append(statistics.fmean(got["steps"]))
-                print(f"round {r} {name:>14}: {1e3 * means[name][-1]:.1f} ms a step", flush=True)
+                stalls[name].append(statistics.fmean(got["tails"]))
+                print(
+                    f"round {r} {name:>14}: {1e3 * means[name][-1]:.1f} ms a step, "
+                    f"{1e3 * stalls[name][-1]:.2f} ms of it at the batch's end from AutoCheckpoint's order on",
+                    flush=True,
+                )
         machine = common.machine(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -162,6 +187,17 @@ def main():
             "model": f"GPT-2-shaped ({a.layers} layers, {a.width} wide), LoRA r=8 on c_attn, bs {a.bs} x {a.seq_len}",
             "step_s": {k: common.stats(v) for k, v in means.items()},
             "added_pct": added,
+            "tail_s": {k: common.stats(v) for k, v in stalls.items()},
+            "stall_s": {  # the save's own time at the boundary: the tail, less the same round's without a save
+                k: common.stats([x - n for x, n in zip(v, stalls["none"])]) for k, v in stalls.items() if k != "none"
+            }
+            if "none" in stalls
+            else {},
+            "stall_pct": {
+                k: common.stats([100 * (x - n) / b for x, n, b in zip(v, stalls["none"], base)])
+                for k, v in stalls.items()
+                if base and k != "none"
+            },
         },
     )
 

@@ -505,6 +505,54 @@ def streams(res) -> str:
     return "\n".join(out + ["", machine_line(res)])
 
 
+def everystep(res) -> str:
+    "A checkpoint at every step of a LoRA fine-tune: each way's mean step and what it adds, paired by round."
+    step, added = res["step_s"], res["added_pct"]
+    labels = {
+        "none": "no checkpoint",
+        "every 1": "`AutoCheckpoint(every_iters=1)` (default: `background='auto'`)",
+        "every 1 thread": "`every_iters=1, background=True` (published by a thread)",
+        "every 1 sync": "`every_iters=1, background=False`",
+        "every 10": "`AutoCheckpoint(every_iters=10)` (default)",
+        "every 10 sync": "`every_iters=10, background=False`",
+    }
+    out = [
+        f"{res['model']}, loaded by `from_pretrained`, fastai `fit`: the mean step over {res['steps']} steps "
+        f"(the first {res['warmup']} left out), each way in a new process, the ways interleaved; medians "
+        "(min to max) over the rounds, what each adds paired by round with the same round's run without.",
+        "",
+        "| checkpoints | mean step | added to the step | AutoCheckpoint's time at the boundary, a step |",
+        "|---|---|---|---|",
+    ]
+    stall, stall_pct = res.get("stall_s", {}), res.get("stall_pct", {})
+    for k, v in step.items():
+        add = _mm(added[k], fmt="{:+.1f}%") if k in added else "—"
+        own = f"{_mm(stall[k], 1e3, '{:.2f} ms')}, {stall_pct[k]['median']:.2f}%" if k in stall else "—"
+        out.append(f"| {labels.get(k, k)} | {_mm(v, 1e3, '{:.1f} ms')} | {add} | {own} |")
+    if "every 1" in added:
+        m = added["every 1"]["median"]
+        own = stall_pct.get("every 1", {}).get("median")
+        out += [
+            "",
+            f"Target at every step: at most 1% added ({'met' if m <= 1 else 'not met'}: {m:+.1f}% paired by round"
+            + (f"; the save's own time at the boundary {own:.2f}% of the step" if own is not None else "")
+            + ").",
+        ]
+    return "\n".join(out + ["", machine_line(res)])
+
+
+def everystep_summary(res) -> str:
+    "The README's line of the every-step benchmark."
+    step, added = res["step_s"], res["added_pct"]
+    parts = [f"{k}: {added[k]['median']:+.1f}%" for k in ("every 1", "every 10") if k in added]
+    return (
+        f"A checkpoint at every step of a LoRA fine-tune ({res['model']}, {1e3 * step['none']['median']:.0f} ms a step "
+        f"on 2 CPU cores), what `AutoCheckpoint(every_iters=N)` adds to the mean step (medians paired by round): "
+        + ", ".join(parts)
+        + " (target at every step at most 1%). The table: [docs/finetuning.md](docs/finetuning.md)."
+    )
+
+
 RENDER = {
     "io": io,
     "resume": resume,
@@ -514,17 +562,19 @@ RENDER = {
     "sharded": sharded,
     "llm": llm,
     "streams": streams,
+    "everystep": everystep,
 }
 # Benchmarks whose block is in a page of docs/ rather than in the README (which links to the page).
 PAGES = {
     "sharded": os.path.join(HERE, "..", "docs", "sharded.md"),
     "llm": os.path.join(HERE, "..", "docs", "finetuning.md"),
     "streams": os.path.join(HERE, "..", "docs", "streams.md"),
+    "everystep": os.path.join(HERE, "..", "docs", "finetuning.md"),
 }
 # Summaries in the project's README.md of a benchmark whose whole table is on the benchmarks page:
 # block name -> (the benchmark whose result file it reads, its renderer).
 MAIN_README = os.path.join(HERE, "..", "README.md")
-SUMMARIES = {"io-summary": ("io", io_summary)}
+SUMMARIES = {"io-summary": ("io", io_summary), "everystep-summary": ("everystep", everystep_summary)}
 
 
 def _source(name: str) -> str:
