@@ -37,6 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 import common  # noqa: E402
+import llm  # noqa: E402  (the tutorial's learner)
 
 CONTENDERS = {
     "none": None,
@@ -46,34 +47,6 @@ CONTENDERS = {
     "every 10": dict(every_iters=10),
     "every 10 sync": dict(every_iters=10, background=False),
 }
-
-
-def learner(base_dir, work, steps, bs, seq_len):
-    "The tutorial's learner on the base as a user's script builds it: `from_pretrained`, LoRA, `Learner`."
-    import fastai.callback.progress  # noqa: F401  (Learner.no_bar)
-    import torch
-    from fastai.callback.core import Callback
-    from fastai.data.core import DataLoaders
-    from fastai.learner import Learner
-    from fastai.losses import CrossEntropyLossFlat
-    from fastai.text.data import LMDataLoader
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], task_type="CAUSAL_LM"))
-
-    class DropOutput(Callback):
-        def after_pred(self):
-            self.learn.pred = self.pred[0]
-
-    g = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, model.config.vocab_size, (bs * seq_len * steps + 1,), generator=g)
-    valid = toks[: bs * seq_len + 1]
-    dls = DataLoaders(
-        LMDataLoader([toks], bs=bs, seq_len=seq_len), LMDataLoader([valid], bs=bs, seq_len=seq_len), device="cpu"
-    )
-    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[DropOutput], path=work)
 
 
 def one_run(a):
@@ -87,7 +60,7 @@ def one_run(a):
     settings = CONTENDERS[a.run]
     set_seed(0)
     work = tempfile.mkdtemp(prefix="run-", dir=a.work)
-    learn = learner(os.path.join(a.work, "base"), work, a.steps, a.bs, a.seq_len)
+    learn = llm.learner(os.path.join(a.work, "base"), work, a.bs, a.seq_len, a.steps, valid_batches=1)
     starts: list = []
 
     class Clock(Callback):

@@ -88,8 +88,10 @@ def tensor_bytes(tree) -> int:
     return 0
 
 
-def learner(base_dir, work):
-    "The tutorial's learner on the base as a user's script builds it: `from_pretrained`, LoRA, `Learner`."
+def learner(base_dir, work, bs=2, seq_len=32, n_batches=4, valid_batches=None):
+    """The tutorial's learner on the base as a user's script builds it: `from_pretrained`, LoRA, `Learner`;
+    `n_batches` training batches of `bs` x `seq_len` random tokens, validated on the first `valid_batches`
+    (all of them by default)."""
     import fastai.callback.progress  # noqa: F401  (Learner.no_bar)
     import torch
     from fastai.callback.core import Callback
@@ -107,8 +109,11 @@ def learner(base_dir, work):
         def after_pred(self):
             self.learn.pred = self.pred[0]
 
-    toks = torch.randint(0, model.config.vocab_size, (2 * 32 * 4 + 1,))
-    dls = DataLoaders(LMDataLoader([toks], bs=2, seq_len=32), LMDataLoader([toks], bs=2, seq_len=32), device="cpu")
+    toks = torch.randint(0, model.config.vocab_size, (bs * seq_len * n_batches + 1,))
+    valid = toks if valid_batches is None else toks[: bs * seq_len * valid_batches + 1]
+    dls = DataLoaders(
+        LMDataLoader([toks], bs=bs, seq_len=seq_len), LMDataLoader([valid], bs=bs, seq_len=seq_len), device="cpu"
+    )
     return Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[DropOutput], path=work)
 
 

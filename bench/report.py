@@ -544,12 +544,15 @@ def everystep(res) -> str:
 def everystep_summary(res) -> str:
     "The README's line of the every-step benchmark."
     step, added = res["step_s"], res["added_pct"]
-    parts = [f"{k}: {added[k]['median']:+.1f}%" for k in ("every 1", "every 10") if k in added]
+    parts = [f"N={k.split()[1]}: {added[k]['median']:+.1f}%" for k in ("every 1", "every 10") if k in added]
+    own = res.get("stall_pct", {}).get("every 1", {}).get("median")
     return (
-        f"A checkpoint at every step of a LoRA fine-tune ({res['model']}, {1e3 * step['none']['median']:.0f} ms a step "
-        f"on 2 CPU cores), what `AutoCheckpoint(every_iters=N)` adds to the mean step (medians paired by round): "
+        f"A LoRA fine-tune ({res['model']}, {1e3 * step['none']['median']:.0f} ms a step on "
+        f"{res['machine']['cores']} CPU cores) checkpointed by `AutoCheckpoint(every_iters=N)`, added to the mean "
+        "step (medians paired by round): "
         + ", ".join(parts)
-        + " (target at every step at most 1%). The table: [docs/finetuning.md](docs/finetuning.md)."
+        + (f"; the save's own time at each step's end {own:.1f}% of the step" if own is not None else "")
+        + " (target at every step at most 1%; [docs/finetuning.md](docs/finetuning.md))."
     )
 
 

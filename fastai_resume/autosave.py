@@ -85,8 +85,8 @@ class AutoCheckpoint(Callback):
       buffers) and written by a thread with the GIL released while training goes on; at most one
       save is in flight (a save due while one is still writing waits for it), and the fit's end
       waits for it. `background='auto'` (the default): the same, but where the fit trains on the CPU a
-      small checkpoint is also synced and put in place at the batch boundary (there a thread's sync
-      competes with training for the cores: bench/everystep.py). `background=False`: every save is
+      small checkpoint is committed at the batch boundary, as a synchronous save is (there a thread's
+      sync competes with training for the cores: bench/everystep.py). `background=False`: every save is
       written, synced and put in place at the batch boundary. A failed save raises at the next
       batch boundary (`on_error='warn'`: a loud warning instead, for background and synchronous saves).
       A save that finds the disk full removes this run's older checkpoints (never the newest valid

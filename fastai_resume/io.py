@@ -289,21 +289,18 @@ def free_bytes(folder: PathLike) -> int | None:
 
 def commit(w: _core.Writer, path: PathLike, fsync: bool = True, direct: bool = True) -> int:
     "`w.commit(...)`; a full disk raises `DiskFullError`, which says how much room the checkpoint needs."
-    needed = w.size
-    try:
-        return w.commit(os.fspath(path), fsync=fsync, direct=direct)
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        raise DiskFullError(e, path, needed) from None
+    return _full_said(w.commit, w.size, path, fsync, direct)
 
 
 def write(w: _core.Writer, path: PathLike, fsync: bool = True, direct: bool = True) -> int:
     """`w.write(...)`: the first half of `commit`, the file written whole beside `path` and kept there for
     `w.publish()` (or `w.abandon()`); a full disk raises `DiskFullError`, as `commit`'s does."""
-    needed = w.size
+    return _full_said(w.write, w.size, path, fsync, direct)
+
+
+def _full_said(run: Callable, needed: int, path: PathLike, fsync: bool, direct: bool) -> int:
     try:
-        return w.write(os.fspath(path), fsync=fsync, direct=direct)
+        return run(os.fspath(path), fsync=fsync, direct=direct)
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise

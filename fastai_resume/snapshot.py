@@ -206,9 +206,10 @@ class BackgroundCommit:
     """Commits `tree` to `path` in the background: training waits only for what must happen at the batch
     boundary. A checkpoint of up to `write_now_max` bytes is encoded and written now, from the live tensors,
     to its temporary file (through the page cache); a thread then syncs it, renames it into place and syncs
-    the directory, with the GIL released (`publish_here`: that too is done now, in this thread: where training
-    keeps every core busy, a thread's sync competes with it; bench/everystep.py). A bigger one is snapshotted
-    into `pool`'s buffers now, then written by the thread. `done`: whether the commit has ended; `wait()`
+    the directory, with the GIL released (`publish_here`: the whole commit is made now, in this thread, as a
+    synchronous save's: where training keeps every core busy, a thread's sync competes with it, and a write
+    around the page cache costs the boundary less than one through it; bench/everystep.py). A bigger one is
+    snapshotted into `pool`'s buffers now, then written by the thread. `done`: whether the commit has ended; `wait()`
     returns the bytes written or raises the commit's error (a full disk met while writing now included);
     `seconds`: how long the thread's part took, once done.
 
@@ -237,6 +238,11 @@ class BackgroundCommit:
         self.then_result = self.then_error = self.then_seconds = None
         self._then, self.direct, self.written_now = then, direct, False
         writer = io.encode(tree)  # an unstorable value raises here, in this thread
+        self._writer = writer
+        self._thread: threading.Thread | None = None
+        if writer.size <= write_now_max and publish_here:
+            self._run(os.fspath(path), fsync)  # the whole commit here, as a synchronous save's (no copy, no thread)
+            return
         if writer.size <= write_now_max:
             self.written_now = True
             try:
@@ -248,10 +254,6 @@ class BackgroundCommit:
             writer = io.encode(pool.snapshot(tree), pool.crcs)
             pool.user = self
         self._writer = writer
-        self._thread: threading.Thread | None = None
-        if self.written_now and publish_here:
-            self._run(os.fspath(path), fsync)  # (its sync, rename and directory sync: here, no thread)
-            return
         self._thread = threading.Thread(target=self._run, args=(os.fspath(path), fsync), name="fastai_resume-commit")
         self._thread.start()
 

@@ -1032,26 +1032,36 @@ static void test_builder_rejects(void)
 /* ---- commit atomicity ---------------------------------------------------------------------- */
 
 /* Commits {"gen": gen, "blob": T0} where the blob is n bytes of value (gen & 0xff). */
-static int commit_gen(const char *path, int64_t gen, size_t n, unsigned flags, frk_error *err)
+/* A builder holding {"gen": gen, "blob": n bytes of gen's low byte}, *data the bytes it holds (the
+ * caller frees both); NULL on failure (*rc the error). */
+static frk_builder *gen_builder(int64_t gen, size_t n, uint8_t **data, int *rc, frk_error *err)
 {
-    uint8_t *data = xmalloc(n);
-    memset(data, (int)(gen & 0xff), n);
+    *data = xmalloc(n);
+    memset(*data, (int)(gen & 0xff), n);
     frk_builder *b = frk_builder_new();
     uint64_t bi, ti;
-    int rc = frk_builder_add_blob(b, data, n, &bi, err);
-    if (!rc)
-        rc = frk_builder_add_tensor(b, 0, FRK_DT_U8, bi, 0, 1, (int64_t[]){(int64_t)n},
-                                    (int64_t[]){1}, &ti, err);
-    if (!rc)
-        rc = frk_builder_put_container(b, FRK_TAG_DICT, 2, err);
-    if (!rc)
-        rc = frk_builder_put_str(b, FRK_TAG_STR, "gen", 3, err);
-    if (!rc)
-        rc = frk_builder_put_int(b, gen, err);
-    if (!rc)
-        rc = frk_builder_put_str(b, FRK_TAG_STR, "blob", 4, err);
-    if (!rc)
-        rc = frk_builder_put_tensor(b, ti, err);
+    *rc = frk_builder_add_blob(b, *data, n, &bi, err);
+    if (!*rc)
+        *rc = frk_builder_add_tensor(b, 0, FRK_DT_U8, bi, 0, 1, (int64_t[]){(int64_t)n},
+                                     (int64_t[]){1}, &ti, err);
+    if (!*rc)
+        *rc = frk_builder_put_container(b, FRK_TAG_DICT, 2, err);
+    if (!*rc)
+        *rc = frk_builder_put_str(b, FRK_TAG_STR, "gen", 3, err);
+    if (!*rc)
+        *rc = frk_builder_put_int(b, gen, err);
+    if (!*rc)
+        *rc = frk_builder_put_str(b, FRK_TAG_STR, "blob", 4, err);
+    if (!*rc)
+        *rc = frk_builder_put_tensor(b, ti, err);
+    return b;
+}
+
+static int commit_gen(const char *path, int64_t gen, size_t n, unsigned flags, frk_error *err)
+{
+    uint8_t *data;
+    int rc;
+    frk_builder *b = gen_builder(gen, n, &data, &rc, err);
     if (!rc)
         rc = frk_builder_commit(b, path, flags, NULL, err);
     frk_builder_free(b);
@@ -1090,28 +1100,13 @@ static int64_t read_gen(const char *path)
     return gen;
 }
 
-/* A builder of commit_gen's checkpoint, written to path's temporary file and handed over (*out). */
+/* commit_gen's checkpoint, written to path's temporary file and handed over (*out). */
 static int write_gen(const char *path, int64_t gen, size_t n, unsigned flags, frk_pending **out,
                      frk_error *err)
 {
-    uint8_t *data = xmalloc(n);
-    memset(data, (int)(gen & 0xff), n);
-    frk_builder *b = frk_builder_new();
-    uint64_t bi, ti;
-    int rc = frk_builder_add_blob(b, data, n, &bi, err);
-    if (!rc)
-        rc = frk_builder_add_tensor(b, 0, FRK_DT_U8, bi, 0, 1, (int64_t[]){(int64_t)n},
-                                    (int64_t[]){1}, &ti, err);
-    if (!rc)
-        rc = frk_builder_put_container(b, FRK_TAG_DICT, 2, err);
-    if (!rc)
-        rc = frk_builder_put_str(b, FRK_TAG_STR, "gen", 3, err);
-    if (!rc)
-        rc = frk_builder_put_int(b, gen, err);
-    if (!rc)
-        rc = frk_builder_put_str(b, FRK_TAG_STR, "blob", 4, err);
-    if (!rc)
-        rc = frk_builder_put_tensor(b, ti, err);
+    uint8_t *data;
+    int rc;
+    frk_builder *b = gen_builder(gen, n, &data, &rc, err);
     if (!rc)
         rc = frk_builder_write(b, path, flags, NULL, out, err);
     frk_builder_free(b); /* the written file no longer needs the builder */
@@ -1156,9 +1151,8 @@ static void test_write_then_publish_or_abandon(void)
     struct dirent *e;
     tmpname[0] = 0;
     while (d && (e = readdir(d)))
-        if (e->d_name[0] != '.' || strlen(e->d_name) > 2)
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, ".."))
-                snprintf(tmpname, sizeof tmpname, "%s/%s", sub, e->d_name);
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) /* the one file: the temporary one */
+            snprintf(tmpname, sizeof tmpname, "%s/%s", sub, e->d_name);
     if (d)
         closedir(d);
     CHECK(tmpname[0] && unlink(tmpname) == 0); /* the temporary file gone before the publish */
