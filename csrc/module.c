@@ -262,7 +262,8 @@ static PyObject *Writer_put_int(WriterObject *w, PyObject *v)
 }
 
 /* A list's or tuple's items as ints, where every item is an int (not a bool) that fits in 64 bits:
- * the same values put_int appends one by one. Returns False, having appended nothing, where one is not. */
+ * the same values put_int appends one by one. Returns False, having appended nothing, where one is
+ * not. */
 static PyObject *Writer_put_ints(WriterObject *w, PyObject *v)
 {
     if (!PyList_Check(v) && !PyTuple_Check(v)) {
@@ -424,7 +425,8 @@ static PyObject *Writer_write(WriterObject *w, PyObject *args, PyObject *kw)
     return PyLong_FromUnsignedLongLong(w->written);
 }
 
-/* True in WRITER_WRITTEN (the step that follows a write is taken by this thread); otherwise raises. */
+/* True in WRITER_WRITTEN (the step that follows a write is taken by this thread); otherwise raises.
+ */
 static int writer_written(WriterObject *w)
 {
     if (w->phase == WRITER_WRITTEN)
@@ -489,7 +491,9 @@ static PyMethodDef Writer_methods[] = {
     {"put_bytes", (PyCFunction)Writer_put_bytes, METH_O,
      PUT_DOC(put_bytes, v, "Append bytes (any bytes-like object).")},
     {"put_ints", (PyCFunction)Writer_put_ints, METH_O,
-     PUT_DOC(put_ints, seq, "Append a list's or tuple's items as ints, where all are ints that fit in 64 bits (then True; else False, nothing appended).")},
+     PUT_DOC(put_ints, seq,
+             "Append a list's or tuple's items as ints, where all are ints that fit in 64 bits "
+             "(then True; else False, nothing appended).")},
     {"put_list", (PyCFunction)Writer_put_list, METH_O,
      PUT_DOC(put_list, n, "Append a list of the next n values.")},
     {"put_tuple", (PyCFunction)Writer_put_tuple, METH_O,
