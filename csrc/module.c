@@ -417,12 +417,7 @@ static PyObject *Writer_write(WriterObject *w, PyObject *args, PyObject *kw)
     w->rc = frk_builder_write(w->b, w->path, w->flags, &w->written, &w->pending, &w->err);
     Py_END_ALLOW_THREADS
     w->phase = w->rc ? WRITER_DONE : WRITER_WRITTEN;
-    PyMem_Free(w->path);
-    w->path = NULL;
-    writer_release_views(w); /* the bytes are in the file: let the tensors go */
-    if (w->rc)
-        return raise_frk(state_of_type(Py_TYPE(w)), &w->err);
-    return PyLong_FromUnsignedLongLong(w->written);
+    return writer_result(w); /* the bytes are in the file: the tensors go */
 }
 
 /* True in WRITER_WRITTEN (the step that follows a write is taken by this thread); otherwise raises.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fastai.callback.core import Callback
 
-from . import check, checkpoint, dist, objstore, paths, sharded, stored
+from . import check, checkpoint, dist, objstore, paths, sharded, stored, trainstate
 from . import remote as _remote
 from .io import CheckpointError
 from .runfolder import RunFolder, run_identity
@@ -392,7 +392,7 @@ class Saves:
                 self.pool,
                 then=functools.partial(files.remove_stale, path.parent),
                 direct=self.direct,
-                publish_here=background == "auto" and _trains_on_cpu(learn),
+                publish_here=background == "auto" and trainstate.training_device(learn).type == "cpu",
             )
         except (OSError, TypeError, ValueError, RuntimeError) as e:
             if not dist.active():
@@ -484,16 +484,6 @@ class Saves:
         raise OSError(
             None, "AutoCheckpoint: rank 0's save failed (its error says why); the previous checkpoints are intact"
         )
-
-
-def _trains_on_cpu(learn) -> bool:
-    "Whether the fit computes on the CPU (fastai's loaders' device, else the parameters'): no accelerator to wait for."
-    import torch
-
-    dev = getattr(learn.dls, "device", None)
-    if dev is None:
-        dev = next(iter(learn.model.parameters()), torch.empty(0)).device
-    return torch.device(dev).type == "cpu"
 
 
 def _retain(files, every_rank: bool = False) -> None:

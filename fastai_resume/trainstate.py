@@ -25,6 +25,7 @@ __all__ = [
     "validate",
     "validate_end",
     "rank_view",
+    "training_device",
     "restore_fit",
     "restore_epoch",
     "end_tree",
@@ -151,16 +152,22 @@ def _part_validator(check):
 validate_rng, validate_recorder = _part_validator(check_rng), _part_validator(check_recorder)
 
 
-def _on_training_device(learn, tree):
-    """`tree` (an optimizer state kept on the CPU since `learn.load`) on the device the fit trains on:
-    the loaders' device, as fastai's `load` and `TrainEvalCallback` use, else the parameters'. On the
-    CPU a CUDA fit's first step failed: Adam's moments on the CPU, the gradients on the GPU."""
-    from fastai.torch_core import to_device
-
+def training_device(learn) -> torch.device:
+    "The device the fit trains on: the loaders' (as fastai's `load` and `TrainEvalCallback` use), else the parameters'."
     dev = getattr(learn.dls, "device", None)
     if dev is None:
         dev = next(iter(learn.model.parameters()), torch.empty(0)).device
-    return tree if torch.device(dev).type == "cpu" else to_device(tree, dev)
+    return torch.device(dev)
+
+
+def _on_training_device(learn, tree):
+    """`tree` (an optimizer state kept on the CPU since `learn.load`) on the device the fit trains on
+    (`training_device`). On the CPU a CUDA fit's first step failed: Adam's moments on the CPU, the
+    gradients on the GPU."""
+    from fastai.torch_core import to_device
+
+    dev = training_device(learn)
+    return tree if dev.type == "cpu" else to_device(tree, dev)
 
 
 def put_state(learn, model_state=None, opt_state=None) -> None:
