@@ -97,7 +97,7 @@ class TimedAutoCheckpoint(fastai_resume.AutoCheckpoint):
         return r
 
     def _check_inflight(self, block, last=False):
-        w = self.saves.inflight[0] if self.saves.inflight is not None else None
+        w = self.saves.inflight.writer if self.saves.inflight is not None else None
         super()._check_inflight(block, last)
         if w is not None and self.saves.inflight is None:
             self.writes.append(w.seconds)

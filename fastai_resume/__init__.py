@@ -25,13 +25,15 @@ imports too), and only io imports the C core.
     trainstate.py          a checkpoint's training state and a stage's end, built by walking the tables
     script.py              what is known about one learner's script (and the hooks that act on it)
     frozen.py              what a checkpoint holds of a model: what trains, the frozen rest by fingerprint
-    checkpoint.py          the Learner checkpoint: tree, commit, read, load into the learner
-    check.py               `fastai-resume check`
+    checkpoint.py          the Learner checkpoint: its tree (the one home of its layout), read, load into the learner
+    check.py               `fastai-resume check` (imported only where it runs a script; it acts by `script`'s hooks)
     snapshot.py            background saves (a copy at the batch boundary, written by a thread)
     shardfiles.py          a sharded checkpoint's files (a manifest, a file per rank): validated, read
                            without a model, described; any part of a saved tensor from its chunks
-    sharded.py, dcp.py     a sharded (FSDP2) model's checkpoints: written by every rank, read into the
-                           model at any world size; torch.distributed.checkpoint (DCP) import and export
+    sharded.py, dcp.py     a sharded (FSDP2) model's DTensors: a rank's file of local tensors, a folder read into
+                           the model at any world size; torch.distributed.checkpoint (DCP) import and export
+    store.py               one door to storage: a checkpoint saved (one file, or a sharded model's folder; now or
+                           in the background), read and verified; every layout of a checkpoint on disk is here
     between.py, stages.py  the script's stages, their end states and what it does between them
     session.py             one fit's resume: its callback, position (at another world size too), skip, restore
     objstore.py            object storage (fsspec): checked transfers, markers; `learn.load(url)`
@@ -48,6 +50,7 @@ imports too), and only io imports the C core.
 """
 
 import importlib
+import os
 
 from ._hooks import after_import
 from .io import EXT, CheckpointError, info, is_checkpoint, load, save
@@ -101,6 +104,7 @@ _SUBMODULES = {
     "shardfiles",
     "stages",
     "state",
+    "store",
     "stored",
     "streams",
     "trainstate",
@@ -116,5 +120,7 @@ def __getattr__(name):  # fastai's classes are needed only once the user's code 
 
 
 after_import("fastai.learner", lambda: importlib.import_module(".patches", __name__))
+if os.environ.get("FASTAI_RESUME_CHECK"):  # a process `fastai-resume check` runs: its hooks (`script`)
+    after_import("fastai.learner", lambda: importlib.import_module(".check", __name__))
 after_import("fastai.callback.schedule", lambda: importlib.import_module(".patches", __name__)._patch_schedule())
 after_import("fastai.distributed", lambda: importlib.import_module(".patches", __name__).patch_distributed_dl())

@@ -8,7 +8,6 @@ from __future__ import annotations
 import enum
 import errno
 import functools
-import os
 import re
 import signal
 import threading
@@ -17,13 +16,14 @@ import warnings
 from pathlib import Path
 
 from fastai.callback.core import Callback
+from fastcore.basics import store_attr
 
-from . import check, checkpoint, dist, objstore, paths, sharded, stored, trainstate
+from . import checkpoint, dist, objstore, paths, store, stored, trainstate
 from . import remote as _remote
 from .io import CheckpointError
 from .runfolder import RunFolder, run_identity
-from .script import STAGE_BEGIN_HOOKS, say, script, session_of
-from .snapshot import BackgroundCommit, SnapshotPool
+from .script import STAGE_BEGIN_HOOKS, checking, say, script, session_of
+from .snapshot import SnapshotPool
 
 __all__ = ["AutoCheckpoint", "PREEMPTED_EXIT_CODE"]
 
@@ -71,47 +71,31 @@ class Preemption:
 
 class AutoCheckpoint(Callback):
     """Saves a resumable checkpoint every `every_iters` training batches, every `every_seconds`
-    and/or after every epoch, into `learn.path/learn.model_dir`, keeping the newest `keep` of this run.
+    and/or after every epoch, into `learn.path/learn.model_dir`, keeping the newest `keep` of this run
+    (docs/autocheckpoint.md says each setting in full).
 
-    - Files: `{fname}-{run}-g{attempt}-s{stage}-f{fit}-e{epoch}-i{iter}.frk` (`runfolder`). `run`
-      identifies the run (`runfolder.run_identity`); `attempt` counts the starts of this run that did
-      not resume (`resume=False`, an explicit `start_epoch`, no valid file). Files of other runs, and any
-      file not named so, are never touched.
-    - `every_iters=N`: after every training batch whose `train_iter` (batches trained in this fit) is a
-      multiple of N, whatever the epoch-end saves do.
-    - `background=True`: a checkpoint of up to 16 MB (`snapshot.WRITE_NOW_MAX`: a LoRA fine-tune's) is
-      written at the batch boundary from the live tensors and synced, renamed into place and its folder
-      synced by a thread; a bigger one is copied at the batch boundary (into the previous save's
-      buffers) and written by a thread with the GIL released while training goes on; at most one
-      save is in flight (a save due while one is still writing waits for it), and the fit's end
-      waits for it. `background='auto'` (the default): the same, but where the fit trains on the CPU a
-      small checkpoint is committed at the batch boundary, as a synchronous save is (there a thread's
-      sync competes with training for the cores: bench/everystep.py). `background=False`: every save is
-      written, synced and put in place at the batch boundary. A failed save raises at the next
-      batch boundary (`on_error='warn'`: a loud warning instead, for background and synchronous saves).
-      A save that finds the disk full removes this run's older checkpoints (never the newest valid
-      one) and tries again once; each time it says so, in a warning and a printed line (the folder,
-      the room the checkpoint needs, what was removed). When nothing is left to remove, the error
-      says what to do.
-    - `resume=True`: the first training call of the process (and the next one after an interrupted
-      fit) continues from the newest valid checkpoint of this run; a file proven corrupt is named in a
-      warning and renamed `*.corrupt`; an error that is not the file's fault (too many open files,
-      no memory) is raised, never taken for corruption. `fast_forward=True` allows resuming a stream
-      without state by reading and discarding the trained batches.
-    - One process per run and folder: a lock file (`.{fname}-{run}.lock`) is held while it trains; a
-      second launch of the same script on the same folder is refused with a message.
-    - `preempt=True`: on SIGTERM the current batch finishes, a checkpoint is saved synchronously
-      and the process exits with status `PREEMPTED_EXIT_CODE` (143).
-    - Under torch.distributed (`distrib_ctx`): every rank runs the callback; rank 0 writes each
-      checkpoint (with every rank's RNG, loader and Recorder state), chooses the one to resume
-      from and alone removes or renames files; a time-based save, a SIGTERM seen by one rank and a
-      failed save are agreed by all (one bounded step per batch, `dist.agree_any`). A sharded fit's
-      ranks each write their file; where their disks are their nodes' own, every rank takes part in
-      the choice and each node keeps what rank 0 keeps (`RunFolder.latest_valid_together`).
-    - `remote='s3://bucket/run/'` (any fsspec URL; `remote_options`: the file system's options): each
-      checkpoint committed here is then mirrored there by a background thread, `keep` holds there too, and
-      a start whose local folder lacks a newer checkpoint resumes from the remote's (`remote.Mirror`,
-      docs/remote.md). The process's end waits up to `remote_wait` seconds for the newest one's upload.
+    - Files: `{fname}-{run}-g{attempt}-s{stage}-f{fit}-e{epoch}-i{iter}.frk` (`runfolder`); `run`
+      identifies the run (`runfolder.run_identity`), `attempt` counts its starts that did not resume.
+      Files of other runs, and any file not named so, are never touched.
+    - `background=True`: the batch boundary waits only for what must happen there (a checkpoint of up to
+      16 MB written from the live tensors, a bigger one copied), a thread commits it; at most one save is
+      in flight. `'auto'` (the default): the same, but a small checkpoint of a fit on the CPU is committed
+      at the boundary (bench/everystep.py). `False`: every save is committed at the boundary. A failed save
+      raises at the next batch boundary (`on_error='warn'`: a loud warning). A full disk: this run's older
+      checkpoints (never the newest valid one) are removed once and the save tried again, said each time.
+    - `resume=True`: the first training call of the process (and the next one after an interrupted fit)
+      continues from the newest valid checkpoint of this run; a file proven corrupt is named and renamed
+      `*.corrupt`, an error that is not the file's fault is raised. `fast_forward=True` allows resuming a
+      stream without state by reading and discarding the trained batches.
+    - One process per run and folder (`runfolder.RunLock`). `preempt=True`: on SIGTERM the batch finishes,
+      a checkpoint is saved and the process exits with `PREEMPTED_EXIT_CODE` (143).
+    - Under torch.distributed every rank runs it: a time-based save, a SIGTERM and a failed save are agreed
+      by all (one bounded step per batch); rank 0 writes each checkpoint and chooses the one to resume from,
+      except that a sharded fit's ranks each write their file (`store`), and where their disks are their
+      nodes' own every rank takes part in the choice.
+    - `remote='s3://bucket/run/'` (any fsspec URL; `remote_options`): each checkpoint committed here is
+      mirrored there by a thread, `keep` holds there too, and a start whose folder lacks a newer checkpoint
+      resumes from the remote's (docs/remote.md); the process's end waits up to `remote_wait` seconds.
     """
 
     order = 100  # after the Recorder and the trackers have updated, before ResumeSession
@@ -140,15 +124,7 @@ class AutoCheckpoint(Callback):
             raise ValueError("on_error must be 'raise' or 'warn'")
         if not re.fullmatch(r"[\w.]+", fname) or len(fname) > 64:
             raise ValueError(f"fname {fname!r}: use up to 64 letters, digits, '.', '_'")
-        self.fname, self.every_iters, self.every_seconds, self.every_epoch = (
-            fname,
-            every_iters,
-            every_seconds,
-            every_epoch,
-        )
-        self.keep, self.background, self.resume, self.preempt = keep, background, resume, preempt
-        self.on_error, self.fast_forward = on_error, fast_forward
-        self.remote, self.remote_options, self.remote_wait = remote, remote_options, remote_wait
+        store_attr()  # (fastai's way: every argument an attribute of the same name)
         if remote is not None:
             objstore.filesystem(remote, remote_options)  # a missing package or a malformed URL: said now
         self._no_run_yet()
@@ -192,62 +168,20 @@ class AutoCheckpoint(Callback):
 
     def arm_resume(self, stage):
         """Called when a training call (a stage) begins: identifies the run, takes its lock, and the first
-        time (or after an interrupted fit) loads the newest valid checkpoint of this run."""
-        if os.environ.get(check.ENV):
+        time (or after an interrupted fit) loads the newest valid checkpoint of this run (`_resume_point`)."""
+        if checking():
             return  # `fastai-resume check` runs: no files of ours, no autoresume
         sc = script(self.learn)
         if self.run_id is None:
             self.run_id = run_identity(self.learn, sc.signatures[0] if sc.signatures else stage.signature)
         if self.files is None:
             self.files = RunFolder(self.folder, self.fname, self.run_id, self.keep)
-        files, p = self.files, None
-        files.folder = self.folder
-        run = self._run = sc.autosave_runs.setdefault(
-            (str(self.folder.resolve()), self.fname, self.run_id), AutosaveRun()
-        )
-
-        def in_folder():  # under DDP rank 0 alone touches the folder, and tells the others (or all raise)
-            p = choose = None
-            files.take_lock()
-            files.remove_dead_temps()
-            if self.remote is not None and self._mirror is None:  # the remote's lease, checked before any training
-                self._mirror = self.saves.mirror = _remote.mirror_for(
-                    self.remote, self.remote_options, self.folder, self.fname, self.run_id, self.keep, self.remote_wait
-                )
-            if self.resume and stage.resume and not stage.explicit and not run.resumed and sc.armed is None:
-                if files.node_local():  # chosen by every rank below, each checking the files its node's disk holds
-                    choose = [p.name for p in reversed(files.checkpoints())]
-                else:
-                    p = files.latest_valid()
-                    if self._mirror is not None:  # a newer checkpoint on the remote (a new machine: none here)
-                        p = self._mirror.resume_point(p)
-                    if p is not None:
-                        _retain(files)  # a run killed between a commit and its retention
-            if run.attempt is None:
-                names = [f.name for f in files.checkpoints()] + (self._mirror.names() if self._mirror else [])
-                last = max((files.attempt_of(Path(n)) for n in names), default=-1)
-                run.attempt = files.attempt_of(p) if p is not None else last + 1
-            return p, choose
-
-        together = dist.active() and dist.sharded(self.learn.model)  # every rank writes a file of each save
-        if together and self.remote is not None:
-            raise CheckpointError(_SHARDED_REMOTE)
-        files.near = dist.sees_rank0("AutoCheckpoint: the ranks on rank 0's disk", self.folder) if together else None
-        p, choose = dist.together(
-            "AutoCheckpoint: its folder", lambda: in_folder() if dist.rank() == 0 else (None, None)
-        )
-        choose = dist.exchange("AutoCheckpoint: this run's checkpoints", choose)[0] if files.node_local() else None
-        if choose is not None:
-            p = files.latest_valid_together(choose)
-            if p is not None:
-                run.attempt = files.attempt_of(p)
-                _retain(files, every_rank=True)  # a run killed between a commit and its retention
-        if dist.active():
-            mine = [None if p is None else str(p), run.attempt]
-            p, run.attempt = dist.exchange("AutoCheckpoint: the checkpoint to resume from", mine)[0]
-            p = None if p is None else Path(p)
-        self.attempt = files.attempt = run.attempt
-        stage.saved_in(self.folder, files.stem(), auto=True)
+        self.files.folder = self.folder
+        key = (str(self.folder.resolve()), self.fname, self.run_id)
+        run = self._run = sc.autosave_runs.setdefault(key, AutosaveRun())
+        p = _resume_point(self, run, self.resume and stage.resume and not stage.explicit and not run.resumed)
+        self.attempt = self.files.attempt = run.attempt
+        stage.saved_in(self.folder, self.files.stem(), auto=True)
         run.resumed = True
         if p is None:
             return
@@ -255,7 +189,7 @@ class AutoCheckpoint(Callback):
             dist.together(  # one rank failing stops all
                 f"AutoCheckpoint: load {p.name}",
                 lambda: self.learn.load(got, fast_forward=self.fast_forward),
-                f"AutoCheckpoint: rank {{rank}} could not load {p} ({{why}}); every rank stops",
+                f"AutoCheckpoint: {p} could not be loaded ({{failures}}); every rank stops",
             )
         if sc.armed is not None:  # (loaded from a copy, on a node whose folder does not hold it: rank 0's name)
             sc.armed.path = p
@@ -279,12 +213,14 @@ class AutoCheckpoint(Callback):
             flags |= Agreed.TIME_DUE  # rank 0's clock decides for every rank
         if self.saves.failure is not None:
             flags |= Agreed.FAILED
-        flags |= sharded.writing(self.saves)
+        if self.saves.writing_together():
+            flags |= Agreed.WRITING
         if dist.active() and (self.preempt or self.every_seconds or self.background):
             flags = Agreed(dist.agree_any("AutoCheckpoint: the batch's agreement", int(flags)))
         if flags & Agreed.FAILED:
             self.saves.raise_failure()
-        sharded.after_agreement(self.saves, self.files, int(flags))  # every rank's file written: the manifest
+        if not flags & Agreed.WRITING:  # every rank's file of a sharded save written: its manifest
+            self.saves.check_inflight(self.files, block=True, together_only=True)
         if flags & Agreed.PREEMPTED:
             self._check_inflight(block=True)
             path = self._save(background=False)
@@ -311,7 +247,7 @@ class AutoCheckpoint(Callback):
         """The fit ended in an exception or an interrupt (fastai runs no `after_fit` then): finish the save
         in flight, put the SIGTERM handler back, and let the next training call resume from the newest
         checkpoint, as a rerun of the script after a crash would."""
-        sharded.abandon(self.saves)  # the other ranks may be gone: no manifest, no collective
+        self.saves.abandon_together()  # the other ranks may be gone: no manifest, no collective
         try:
             self._check_inflight(block=True)
         except Exception as e:
@@ -325,7 +261,7 @@ class AutoCheckpoint(Callback):
         "A checkpoint at the current position (`Saves.save`); its path, or None where there is no position."
         self._last_time = time.monotonic()
         s = session_of(self.learn)
-        if s is None or self.files is None or os.environ.get(check.ENV):
+        if s is None or self.files is None or checking():
             return None
         return self.saves.save(self.learn, s, self.files, self.background if background is None else background)
 
@@ -349,7 +285,7 @@ class Saves:
     def __init__(self, on_error: str):
         self.on_error = on_error
         self.saved: list = []  # paths committed by this process, oldest first
-        self.inflight = None  # (BackgroundCommit, final path)
+        self.inflight = None  # the save in flight (`store.Pending`)
         self.pool = SnapshotPool()  # background saves copy into the previous save's buffers
         self.failure = None  # under DDP: a failed save of rank 0's, raised on every rank together
         self.retried: list = []  # what a full disk made a background save remove, until a save succeeds
@@ -370,26 +306,23 @@ class Saves:
         if pos is None:
             return None
         path = files.name(s.stage.index, s.fit_index, *pos)
-        done = stored.exists(path) or (self.inflight is not None and self.inflight[1] == path)
+        done = stored.exists(path) or (self.inflight is not None and self.inflight.path == path)
         if dist.active():
             done = dist.exchange(f"AutoCheckpoint: is {path.name} saved", done)[0]  # rank 0 knows the folder
         if done:
             return path  # already saved here
         self.check_inflight(files, block=True)  # at most one save in flight
         s.saving(path)
-        if dist.sharded(learn.model):  # every rank writes its own file, a manifest last
-            return sharded.autosave(self, learn, files, path, background)
+        build = lambda: checkpoint.build_tree(learn, with_opt=True, with_iter=True)  # noqa: E731  (DDP: collective)
         if not background:
-            return self._now(learn, files, path)
-        tree = checkpoint.build_tree(learn, with_opt=True, with_iter=True)  # under DDP: collective
-        if tree is None:
-            return path  # not rank 0: nothing to write
+            return self._now(learn, files, path, build)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            w = BackgroundCommit(
-                tree,
+            self.inflight = store.save(
+                learn,
                 path,
-                self.pool,
+                build,
+                background=True,
+                pool=self.pool,
                 then=functools.partial(files.remove_stale, path.parent),
                 direct=self.direct,
                 publish_here=background == "auto" and trainstate.training_device(learn).type == "cpu",
@@ -401,18 +334,21 @@ class Saves:
                 f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints are intact.", e
             )
             return None
-        self.inflight = (w, path)
         return path
 
-    def _now(self, learn, files, path):
-        "A synchronous save (under DDP every rank waits until rank 0 has committed); a full disk once makes room."
+    def _now(self, learn, files, path, build):
+        """A synchronous save (under DDP every rank waits until rank 0 has committed; a sharded model's ranks each
+        write their file); a full disk once makes room (one file's)."""
         removed: list = []
+        every_rank = dist.sharded(learn.model)
         for attempt in (0, 1):
             try:
-                checkpoint.commit(lambda: checkpoint.build_tree(learn, with_opt=True, with_iter=True), path)
+                store.save(learn, path, build)
                 break
-            except OSError as e:
-                if e.errno == errno.ENOSPC and dist.rank() == 0:
+            except Exception as e:
+                if not every_rank and not isinstance(e, OSError):
+                    raise
+                if not every_rank and e.errno == errno.ENOSPC and dist.rank() == 0:
                     freed = files.free_space() if attempt == 0 else []
                     if freed:
                         say(files.disk_full(path, e, freed, "now"))
@@ -422,41 +358,56 @@ class Saves:
                     return None
                 self.fail(f"AutoCheckpoint: the save of {path} failed: {e}. The previous checkpoints are intact.", e)
                 return None
-        self.committed(path, files if dist.rank() == 0 else None)
+        self.committed(path, files if dist.rank() == 0 or every_rank else None, every_rank)
         return path
 
-    def check_inflight(self, files, block, last=False):
-        "The save in flight, if done (or `block`: once done). `last`: the fit has ended, no batch is left to save at."
-        if self.inflight is None:
-            return
-        if sharded.is_inflight(self.inflight):
-            return sharded.check_inflight(self, files, block, last)
-        w, path = self.inflight
-        if not block and not w.done:
+    def writing_together(self) -> bool:
+        "A sharded save in flight whose file this rank is still writing (its manifest waits for every rank's)."
+        return self.inflight is not None and self.inflight.collective and not self.inflight.done
+
+    def check_inflight(self, files, block, last=False, together_only=False):
+        """The save in flight, if done (or `block`: once done). `last`: the fit has ended, no batch is left to save
+        at. A sharded save's (collective) only where every rank calls it with `block`; `together_only`: only it."""
+        p = self.inflight
+        if p is None or (together_only and not p.collective) or (not block and (p.collective or not p.done)):
             return
         self.inflight = None
         try:
-            w.wait()
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
+            p.finish()
+        except Exception as e:
+            if not p.collective and not isinstance(e, OSError):
+                raise
+            if not p.collective and e.errno == errno.ENOSPC:
                 retried, self.retried = self.retried, []
                 freed = [] if retried or last else files.free_space()
                 if freed:
                     self.retried, self.retry = freed, True  # the next training batch saves again, once
-                    say(files.disk_full(path, e, freed, "at the next batch"))
+                    say(files.disk_full(p.path, e, freed, "at the next batch"))
                     return
-                self.fail(files.disk_still_full(path, e, retried, fit_ended=last), e)
+                self.fail(files.disk_still_full(p.path, e, retried, fit_ended=last), e)
                 return
-            self.fail(f"AutoCheckpoint: background save of {path} failed: {e}. The previous checkpoints are intact.", e)
+            self.fail(
+                f"AutoCheckpoint: background save of {p.path} failed: {e}. The previous checkpoints are intact.", e
+            )
             return
         self.retried = []
-        self.committed(path)  # its thread has applied the retention (`RunFolder.remove_stale`)
-        if w.then_error is not None:
+        if p.collective:
+            self.committed(p.path, files, every_rank=True)
+            return
+        self.committed(p.path)  # its thread has applied the retention (`RunFolder.remove_stale`)
+        if p.then_error is not None:
             warnings.warn(
-                f"AutoCheckpoint: saved {path}, then removing older checkpoints failed: {w.then_error!r}", stacklevel=3
+                f"AutoCheckpoint: saved {p.path}, then removing older checkpoints failed: {p.then_error!r}",
+                stacklevel=3,
             )
-        for msg in w.then_result or ():
+        for msg in p.then_result or ():
             warnings.warn(msg, stacklevel=3)
+
+    def abandon_together(self) -> None:
+        "After an interrupted fit: a sharded save in flight waits for this rank's file, and commits no manifest."
+        if self.inflight is not None and self.inflight.collective:
+            self.inflight.abandon()
+            self.inflight = None
 
     def committed(self, path, files=None, every_rank: bool = False) -> None:
         """`path` is committed: the mirror gets it and, `files` given (rank 0, not the writer thread; or
@@ -484,6 +435,56 @@ class Saves:
         raise OSError(
             None, "AutoCheckpoint: rank 0's save failed (its error says why); the previous checkpoints are intact"
         )
+
+
+def _resume_point(cb: AutoCheckpoint, run: AutosaveRun, wanted: bool) -> Path | None:
+    """The checkpoint a stage's start resumes from (None: none, or not `wanted`) and the run's attempt
+    (`run.attempt`), the same on every rank. Rank 0 alone touches the folder (the lock, dead temps, the
+    remote's lease, the choice) and tells the others, or every rank raises; where a sharded fit's nodes each
+    write to a disk of their own, every rank takes part in the choice (`RunFolder.latest_valid_together`)."""
+    files, learn = cb.files, cb.learn
+    assert files is not None
+    wanted = wanted and script(learn).armed is None
+
+    def in_folder():
+        p = choose = None
+        files.lock.take()
+        files.remove_dead_temps()
+        if cb.remote is not None and cb._mirror is None:  # the remote's lease, checked before any training
+            cb._mirror = cb.saves.mirror = _remote.mirror_for(
+                cb.remote, cb.remote_options, cb.folder, cb.fname, files.run_id, cb.keep, cb.remote_wait
+            )
+        if wanted:
+            if files.node_local():  # chosen by every rank below, each checking the files its node's disk holds
+                choose = [p.name for p in reversed(files.checkpoints())]
+            else:
+                p = files.latest_valid()
+                if cb._mirror is not None:  # a newer checkpoint on the remote (a new machine: none here)
+                    p = cb._mirror.resume_point(p)
+                if p is not None:
+                    _retain(files)  # a run killed between a commit and its retention
+        if run.attempt is None:
+            names = [f.name for f in files.checkpoints()] + (cb._mirror.names() if cb._mirror else [])
+            last = max((files.attempt_of(Path(n)) for n in names), default=-1)
+            run.attempt = files.attempt_of(p) if p is not None else last + 1
+        return p, choose
+
+    together = dist.active() and dist.sharded(learn.model)  # every rank writes a file of each save
+    if together and cb.remote is not None:
+        raise CheckpointError(_SHARDED_REMOTE)
+    files.near = dist.sees_rank0("AutoCheckpoint: the ranks on rank 0's disk", cb.folder) if together else None
+    p, choose = dist.together("AutoCheckpoint: its folder", lambda: in_folder() if dist.rank() == 0 else (None, None))
+    choose = dist.exchange("AutoCheckpoint: this run's checkpoints", choose)[0] if files.node_local() else None
+    if choose is not None:
+        p = files.latest_valid_together(choose)
+        if p is not None:
+            run.attempt = files.attempt_of(p)
+            _retain(files, every_rank=True)  # a run killed between a commit and its retention
+    if dist.active():
+        mine = [None if p is None else str(p), run.attempt]
+        p, run.attempt = dist.exchange("AutoCheckpoint: the checkpoint to resume from", mine)[0]
+        p = None if p is None else Path(p)
+    return p
 
 
 def _retain(files, every_rank: bool = False) -> None:

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 from fastcore.foundation import L
 
-from . import check, checkpoint, dist, io, paths, sharded, state, trainstate
+from . import checkpoint, datalog, dist, io, paths, state, store, trainstate
 from .fastai_classes import is_a
 from .io import CheckpointError
-from .script import script
+from .script import BETWEEN_HOOKS, checking, script
 
 __all__ = [
     "ReplayError",
@@ -86,10 +86,11 @@ _UNREPRODUCIBLE = {"export"}
 
 def _emit(learn, ev: dict) -> None:
     "Every between-stage call, live or replayed, goes into `fastai-resume check`'s trace."
-    if os.environ.get(check.ENV):
+    if checking():
         res = ev.get("result")
-        digest = ev["crc"] if ev["file"] is not None else (None if res is None else check.digest(res))
-        check.note_between(ev["at"], ev["op"], ev["file"], None if ev["op"] in _UNREPRODUCIBLE else digest)
+        digest = ev["crc"] if ev["file"] is not None else (None if res is None else datalog.fingerprint(res))
+        for hook in BETWEEN_HOOKS:
+            hook(ev["at"], ev["op"], ev["file"], None if ev["op"] in _UNREPRODUCIBLE else digest)
 
 
 def _event(learn, op: str, path=None, result=None) -> dict:
@@ -215,7 +216,7 @@ def predicted(learn, run, what: str):
     if ev is not None:
         _refuse_if_not_exact(learn, "get_preds", what)
     out = run()
-    digest = check.digest(list(out) if isinstance(out, tuple) else out)
+    digest = datalog.fingerprint(list(out) if isinstance(out, tuple) else out)
     if ev is not None and ev.get("result") != digest:
         warnings.warn(f"fastai_resume: {what} differs from the uninterrupted run's predictions here", stacklevel=3)
     note(learn, "get_preds", result=digest)
@@ -279,7 +280,7 @@ def stage_ended(learn, sc, st) -> None:
         return {**checkpoint.model_tree(learn, with_opt=True), "end": end}
 
     try:
-        sharded.commit_checkpoint(build, path, learn.model)
+        store.save(learn, path, build)
     except (OSError, CheckpointError) as e:  # training goes on; a rerun that skips this stage says so
         warnings.warn(
             f"fastai_resume: the end state of stage {st.index} could not be saved ({e}); a rerun that skips "
@@ -308,9 +309,9 @@ def _restore(learn, sc, st) -> None:
         # node-local folders: the rank that wrote the file sends it (a sharded end state's folder: each reads its own)
         with dist.fetch_missing(f"stage {st.index}'s end state on every rank", path) as got:
             try:
-                tree = sharded.read(got, learn)
-                end = tree.get("end")
-                if not isinstance(end, dict) or end.get("token") != ref["token"]:
+                tree = store.read(got, learn)
+                end = checkpoint.end_state(tree)
+                if end is None or end.get("token") != ref["token"]:
                     raise CheckpointError(f"{path} is not the end state this checkpoint names (another run wrote it)")
                 trainstate.validate_end(end, path, learn)
                 # (nothing changed the frozen parameters since the skipped stage began and took their fingerprints)

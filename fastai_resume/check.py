@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from . import datalog, loaders, stored
-from .script import DISARM_HOOKS, STAGE_BEGIN_HOOKS, script
+from .script import BETWEEN_HOOKS, CHECK_ENV, DISARM_HOOKS, FIT_HOOKS, STAGE_BEGIN_HOOKS, script
 
 __all__ = ["check", "CheckResult", "ENV", "probe_for"]
 
-ENV = "FASTAI_RESUME_CHECK"  # "record", "kill:S,E,I", "resume" or "resume-bare"; with ENV_TRACE, ENV_BATCHES
+ENV = CHECK_ENV  # "record", "kill:S,E,I", "resume" or "resume-bare"; with ENV_TRACE, ENV_BATCHES
 ENV_TRACE, ENV_BATCHES = "FASTAI_RESUME_CHECK_TRACE", "FASTAI_RESUME_CHECK_BATCHES"
 ENV_DIR = "FASTAI_RESUME_CHECK_DIR"  # where the runs keep their stages' end states (removed afterwards)
 CKPT = "fastai_resume_check"
@@ -391,3 +391,7 @@ def check(script: str, args=(), kill_at=None, batches: int = 8, cwd=None, python
             for line in dead_t.read_text().splitlines() if dead_t.exists() else ():
                 if '"ckpt"' in line:
                     _remove(json.loads(line)["ckpt"])
+
+
+FIT_HOOKS.append(probe_for)
+BETWEEN_HOOKS.append(note_between)

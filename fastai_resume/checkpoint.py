@@ -1,4 +1,4 @@
-"""The checkpoint a Learner saves: its tree, its commit, its read and its load into the learner.
+"""The checkpoint a Learner saves: its tree (the one home of its layout), its read and its load into the learner.
 
     {"fastai_resume": STATE_VERSION,
      "model": state dict (of a model fine-tuned with frozen parameters: what training can change),
@@ -6,6 +6,9 @@
      "opt": optimizer state dict (with_opt),
      "train": None (saved outside a fit) | the training state (`trainstate`),
      "end": the state a stage ended with (a stage's end file only, `between`)}
+
+The keys are this module's: others read a tree through its accessors (`position`, `kind`, `slot`,
+`tensor_slots`, `training`, `end_state`). Where a tree goes on disk (one file, a sharded model's folder) is `store`'s.
 
 Loading validates the whole tree before anything is changed: the model's keys, types, dtypes and
 shapes against the learner's, the frozen tensors it references against the learner's by fingerprint,
@@ -25,12 +28,16 @@ from . import dist, frozen, io, trainstate
 from .io import CheckpointError
 from .script import session_of
 from .state import opt_state_for, plain
-from .stored import remove_dead_temps
 
 __all__ = [
     "STATE_VERSION",
     "build_tree",
-    "commit",
+    "training",
+    "end_state",
+    "position",
+    "kind",
+    "slot",
+    "tensor_slots",
     "read",
     "check",
     "load_tree",
@@ -46,20 +53,20 @@ def model_tree(learn, with_opt: bool, full: bool = False) -> dict:
     from fastai.torch_core import get_model
 
     held, refs = frozen.split(learn, get_model(learn.model).state_dict(), full)
-    tree = {"fastai_resume": STATE_VERSION, "model": plain(held)}
+    tree = {"fastai_resume": STATE_VERSION, "model": held}
     if refs:
         tree["frozen"] = refs
     opt = getattr(learn, "opt", None)
     if with_opt and opt is not None:
-        tree["opt"] = plain(opt.state_dict())
-    return tree
+        tree["opt"] = opt.state_dict()
+    return plain(tree)
 
 
 def build_tree(learn, with_opt=True, with_iter=False, full=False) -> dict | None:
     """What a save stores: the model, the optimizer and, `with_iter`, the training position and state.
     Under torch.distributed, `with_iter` is collective (every rank's RNG, loader and Recorder state go
     to rank 0) and ranks other than 0 get None: they have nothing to write. A sharded model's ranks each
-    get their own tree (DTensors in it), with nothing gathered (`sharded.commit` writes it)."""
+    get their own tree (DTensors in it), with nothing gathered (`store.save` writes it)."""
     with dist.one_answer():
         return _build_tree(learn, with_opt, with_iter, full)
 
@@ -86,23 +93,56 @@ def cloned(tree):
     )
 
 
-def commit(build, path: Path) -> None:
-    """Write the tree `build()` returns to `path` atomically, on rank 0 only. Under
-    torch.distributed every rank calls it (`build` may be collective) and returns once the file is
-    committed, or raises if rank 0 could not build or write it (`dist.together`)."""
+def training(tree) -> dict | None:
+    "A checkpoint's training state (`trainstate`; None: saved outside a fit)."
+    train = tree.get("train") if isinstance(tree, dict) else None
+    return train if isinstance(train, dict) else None
 
-    def write():
-        tree = build()
-        if dist.rank() == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            remove_dead_temps(path.parent, lambda name: name == path.name)
-            io.save(tree, path)
 
-    dist.together(
-        f"commit {path.name}",
-        write,
-        f"the checkpoint {path} was not saved (rank {{rank}}: {{why}}); the previous files are intact",
-    )
+def end_state(tree) -> dict | None:
+    "The state a stage ended with, in a stage's end file (`between`; None in any other)."
+    end = tree.get("end") if isinstance(tree, dict) else None
+    return end if isinstance(end, dict) else None
+
+
+def position(tree) -> dict | None:
+    "The training position a checkpoint was saved at (None: saved outside a fit, or not a checkpoint)."
+    train = training(tree)
+    return dict(train["position"]) if train is not None and isinstance(train.get("position"), dict) else None
+
+
+def kind(tree) -> str:
+    "'end' (a stage's end state), 'checkpoint' (a position to resume), 'model' (model and optimizer) or 'other'."
+    if not isinstance(tree, dict):
+        return "other"
+    return "end" if "end" in tree else "checkpoint" if tree.get("train") is not None else "model"
+
+
+def slot(path) -> tuple | None:
+    """What the tensor at `path` (a tuple of keys) of a tree is of the learner: ("model", name) an entry of the
+    model's state dict, ("opt", i) part of parameter i's optimizer state, ("grad", i) parameter i's pending
+    gradient; None for anything else."""
+    if len(path) == 2 and path[0] == "model":
+        return "model", path[1]
+    if len(path) >= 4 and path[0] == "opt" and path[1] == "state" and isinstance(path[2], int):
+        return "opt", path[2]
+    if len(path) == 3 and path[0] == "train" and path[1] == "grads" and isinstance(path[2], int):
+        return "grad", path[2]
+    return None
+
+
+def tensor_slots(tree):
+    "Every (path, value) of `tree` in a slot (`slot`): the model's entries, the optimizer's states, the gradients."
+    for name, v in list((tree.get("model") or {}).items()):
+        yield ("model", name), v
+    states = (tree.get("opt") or {}).get("state")
+    items = states.items() if isinstance(states, dict) else enumerate(states or [])
+    for i, st in list(items):
+        if isinstance(st, dict):
+            for k, v in list(st.items()):
+                yield ("opt", "state", i, k), v
+    for i, g in enumerate((tree.get("train") or {}).get("grads") or []):
+        yield ("train", "grads", i), g
 
 
 def read(path: Path) -> dict:

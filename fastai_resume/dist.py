@@ -7,8 +7,8 @@ checkpoint file, atomically; every rank returns once the file is committed, or r
 others. A decision that could differ between ranks (a time-based checkpoint, a SIGTERM seen by one
 rank first, a failed background save) is agreed, so that every rank saves, or stops, at the same batch.
 
-Every collective this package makes is a named *step* (`exchange`, and `together`, `agree_any`,
-`all_gather_ints`, `broadcast`, `gather`, `share_file` built on it), and no step waits forever: each
+Every collective this package makes is a named *step* (`exchange`, and `verdict`, `together`,
+`agree_any`, `all_gather_ints`, `broadcast`, `gather`, `share_file` built on it), and no step waits forever: each
 rank posts its value under the step's sequence number in the process group's key-value store (the
 one torchrun's agent or `init_process_group` made) and waits for every other rank's, at most
 `timeout()` seconds (`FASTAI_RESUME_TIMEOUT`, default 600; `set_timeout`). A rank that does not
@@ -35,6 +35,7 @@ import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as D
@@ -50,6 +51,8 @@ __all__ = [
     "timeout",
     "set_timeout",
     "exchange",
+    "verdict",
+    "RankFailures",
     "together",
     "gather",
     "broadcast",
@@ -206,11 +209,51 @@ def _exchange_over_gloo(s: _Steps, step: str, value) -> list:
     return [r[1] for r in out]
 
 
-def together(step: str, fn, failed: str = "{step}: rank {rank} failed ({why}); every rank stops"):
-    """`fn()` on every rank, as one step: every rank returns its own result, or every rank raises: the rank
-    that failed its own exception, the others a `CheckpointError` saying `failed` (formatted with `step`,
-    `rank`, the first rank that failed, and `why`). Where a failure must stop every rank (a save, a load, a
-    check) instead of leaving the others waiting at their next collective."""
+class RankFailures(CheckpointError):
+    "Some ranks failed at one step (`verdict`): `failures`, {rank: what it said}; the message names every one."
+
+    def __init__(self, msg: str, failures: dict):
+        super().__init__(msg)
+        self.failures = failures
+
+
+def verdict(
+    step: str,
+    failure: Any = None,
+    payload=None,
+    own: BaseException | None = None,
+    failed: str = "{step}: {failures}; every rank stops",
+) -> list:
+    """The one cross-rank verdict: every rank's `payload`, in rank order, when no rank's `failure` is set;
+    otherwise every rank raises, as one step: a rank with `own` (its exception) raises it, with a note naming
+    the other ranks that failed, the others one `RankFailures` saying `failed` (formatted with `step` and
+    `failures`: every failing rank and why, "rank 0: ...; rank 2: ..."). A failure is a string, or any small
+    JSON-able value a caller reads back from `RankFailures.failures`. Outside a process group: `[payload]`,
+    or `own`, or the failure as a `RankFailures`."""
+    if not active():
+        if own is not None:
+            raise own
+        if failure is not None:
+            raise RankFailures(str(failure), {0: failure})
+        return [payload]
+    rows = exchange(step, [failure, payload])
+    bad = {r: row[0] for r, row in enumerate(rows) if row[0] is not None}
+    if not bad:
+        return [row[1] for row in rows]
+    failures = "; ".join(f"rank {r}: {why}" for r, why in bad.items())
+    if own is not None:
+        others = {r: w for r, w in bad.items() if r != rank()}
+        if others:
+            own.add_note("also failed: " + "; ".join(f"rank {r}: {w}" for r, w in others.items()))
+        raise own
+    raise RankFailures(failed.format(step=step, failures=failures), bad)
+
+
+def together(step: str, fn, failed: str = "{step}: {failures}; every rank stops"):
+    """`fn()` on every rank, as one step (`verdict`): every rank returns its own result, or every rank raises:
+    a rank that failed its own exception, the others a `CheckpointError` saying `failed` (formatted with
+    `step` and `failures`, every rank that failed and why). Where a failure must stop every rank (a save, a
+    load, a check) instead of leaving the others waiting at their next collective."""
     err, out = None, None
     try:
         out = fn()
@@ -218,14 +261,7 @@ def together(step: str, fn, failed: str = "{step}: rank {rank} failed ({why}); e
         if not active():
             raise
         err = e
-    if not active():
-        return out
-    whys = exchange(step, None if err is None else f"{type(err).__name__}: {err}")
-    bad = [r for r, w in enumerate(whys) if w is not None]
-    if err is not None:
-        raise err
-    if bad:
-        raise CheckpointError(failed.format(step=step, rank=bad[0], why=whys[bad[0]]))
+    verdict(step, None if err is None else f"{type(err).__name__}: {err}", own=err, failed=failed)
     return out
 
 

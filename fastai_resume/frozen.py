@@ -272,10 +272,10 @@ def recheck(learn, refs: dict | None, source) -> None:
             k = next((k for k, want in refs.items() if now[k] != want), None)
             if k is not None:
                 bad = _differs(source, k, refs[k], now[k]) + " (checked as the resumed fit starts)"
-    whys = dist.exchange("the resumed fit's frozen tensors", bad or None)  # every rank refuses together
-    first = next((w for w in whys if w), None)
-    if first:
-        raise CheckpointError(bad or f"{first} (on rank {whys.index(first)})")
+    # every rank refuses together
+    dist.verdict(
+        "the resumed fit's frozen tensors", bad, own=CheckpointError(bad) if bad else None, failed="{failures}"
+    )
 
 
 def _differs(path, name, want, got) -> str:

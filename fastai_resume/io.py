@@ -115,23 +115,25 @@ NUMPY_DTYPE = {c: d for d, c in NUMPY_CODE.items()}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-def map_tree(tree: Any, leaf: Callable, path: tuple | None = None, scalars: bool = False) -> Any:
+def map_tree(tree: Any, leaf: Callable, path: tuple | None = None, scalars: bool = False, seqs: tuple = ()) -> Any:
     """`tree` rebuilt: each dict, list and tuple walked (into new ones of the base types), every other value
     replaced by `leaf(value)`, or by `leaf(value, keys)` when a `path` is given (`keys`: `path` and the keys
     down to the value). `scalars`: `leaf` returns an int, float, str, bool or None as it is, so a list or
-    tuple of only those is copied without calling it (an RNG's state: hundreds of ints). The one walk of a
-    value tree."""
+    tuple of only those is copied without calling it (an RNG's state: hundreds of ints). `seqs`: other
+    sequence types walked into lists (fastcore's `L`). The one walk of a value tree."""
     if isinstance(tree, dict):
         if path is None:
-            return {k: map_tree(v, leaf, None, scalars) for k, v in tree.items()}
-        return {k: map_tree(v, leaf, (*path, k), scalars) for k, v in tree.items()}
+            return {k: map_tree(v, leaf, None, scalars, seqs) for k, v in tree.items()}
+        return {k: map_tree(v, leaf, (*path, k), scalars, seqs) for k, v in tree.items()}
+    if seqs and isinstance(tree, seqs):
+        tree = list(tree)
     if isinstance(tree, (list, tuple)):
         if scalars and len(tree) >= 8 and all(type(v) in _SCALARS for v in tree):
             out = list(tree)
         elif path is None:
-            out = [map_tree(v, leaf, None, scalars) for v in tree]
+            out = [map_tree(v, leaf, None, scalars, seqs) for v in tree]
         else:
-            out = [map_tree(v, leaf, (*path, i), scalars) for i, v in enumerate(tree)]
+            out = [map_tree(v, leaf, (*path, i), scalars, seqs) for i, v in enumerate(tree)]
         return tuple(out) if isinstance(tree, tuple) else out
     return leaf(tree) if path is None else leaf(tree, path)
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import io, paths, stored
+from . import checkpoint, io, paths, stored
 from .fields import Bad, is_int, need, refused
 from .io import CheckpointError
 from .script import say
@@ -213,8 +213,8 @@ def local_crc(path) -> tuple:
 
 def ends_named(path) -> list:
     "The stage-end files (`between`) a checkpoint names: [(file relative to its folder, token)]."
-    train = io.info(path, verify=False)["tree"].get("train")
-    script = train.get("script") if isinstance(train, dict) else None
+    train = checkpoint.training(io.info(path, verify=False)["tree"])
+    script = train.get("script") if train is not None else None
     ends = script.get("ends") if isinstance(script, dict) else None
     out = []
     for e in ends if isinstance(ends, list) else ():
@@ -268,8 +268,8 @@ def fetch_ends(fs, root: str, url: str, dest: Path, known: dict) -> str:
             continue
         target = dest.parent / file
         with contextlib.suppress(CheckpointError, OSError):
-            end = io.info(target, verify=False)["tree"].get("end")
-            if isinstance(end, dict) and end.get("token") == token:
+            end = checkpoint.end_state(io.info(target, verify=False)["tree"])
+            if end is not None and end.get("token") == token:
                 continue  # already here
         for key in (end_key(file, token), file):
             try:

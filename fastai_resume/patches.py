@@ -18,6 +18,7 @@ source-hash test.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from fastcore.basics import patch, patch_to
 from fastcore.foundation import L
 from fastcore.meta import delegates
 
-from . import between, checkpoint, dist, frozen, io, objstore, paths, sharded, state
+from . import between, checkpoint, dist, frozen, io, objstore, paths, state, store
 from ._hooks import imported
 from .compat import check_fastai_version
 from .fastai_classes import fastai_class, is_a
@@ -111,7 +112,9 @@ def save(self: Learner, file, with_iter=False, full=False, **kwargs):
     if with_iter and not with_opt:
         raise ValueError("save(with_iter=True) needs the optimizer state: drop with_opt=False")
     if not with_iter and paths.is_path(file) and dist.sharded(self.model):  # fastai's would pickle rank 0's part
-        return sharded.save_model(self, file, with_opt)
+        path = paths.with_ext(paths.resolve(self, file))  # a sharded checkpoint of the model, no position
+        store.save(self, path, lambda: checkpoint.model_tree(self, with_opt))
+        return path
     if not with_iter:
         if not paths.is_path(file):
             return self._orig_save(file, with_opt=with_opt, **kwargs)
@@ -135,8 +138,8 @@ def save(self: Learner, file, with_iter=False, full=False, **kwargs):
         sc.session.saving(path)
     if rank_distrib() and not dist.active():
         return  # only rank 0 writes, as fastai does
-    build = lambda: checkpoint.build_tree(self, with_opt, with_iter, full)  # noqa: E731
-    commit = lambda: sharded.commit_checkpoint(build, path, self.model)  # noqa: E731  (DDP, sharded: collective)
+    build = functools.partial(checkpoint.build_tree, self, with_opt, with_iter, full)
+    commit = functools.partial(store.save, self, path, build)  # (DDP, sharded: collective)
     if sc.session is None and not sc.fit_depth and not dist.active():
         # between stages (no position): a file like a named `.pth`, kept where the uninterrupted run wrote it,
         # never written again by a rerun from a state that is not that run's (`between`)
@@ -169,8 +172,8 @@ def _load_ours(learn, path, file, device, resume, fast_forward, with_opt, strict
         device = learn.dls.device
     if learn.opt is None:
         learn.create_opt()
-    tree = sharded.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
-    train = tree.get("train")
+    tree = store.read(path, learn)  # (a file, or a sharded checkpoint's folder; as this model is sharded)
+    train = checkpoint.training(tree)
     arms = resume and train is not None and not inside
     later = _not_now(learn, sc, tree) if arms else None
     checked = checkpoint.load_tree(learn, path, tree, device, with_opt, strict, defer_frozen=arms, apply=later is None)
@@ -204,7 +207,7 @@ def _not_now(learn, sc, tree) -> str | None:
     stage is to begin with the script's own, as the uninterrupted run's did)."""
     from fastai.torch_core import get_model
 
-    if tree["train"]["position"]["stage"] > len(sc.signatures):
+    if checkpoint.position(tree)["stage"] > len(sc.signatures):  # type: ignore[index]
         return "stages come first"
     model = get_model(learn.model)
     # (inside a stage's beginning, AutoCheckpoint's load: the stage's fingerprints were just taken)

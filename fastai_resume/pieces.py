@@ -34,16 +34,7 @@ from .fields import a_dict, a_list, a_number, a_tensor, an_int, need
 from .loaders import check_loader
 from .state import check_modules, check_recorder, check_rng, recorder_numbers, set_recorder_numbers
 
-__all__ = [
-    "Now",
-    "Piece",
-    "CHECKPOINT",
-    "STAGE_END",
-    "check_script",
-    "script_part",
-    "saved_rng",
-    "grads_mismatch",
-]
+__all__ = ["Now", "Piece", "CHECKPOINT", "STAGE_END", "check_script", "script_part", "saved_rng", "grads_mismatch"]
 
 
 @dataclass

@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import io, stored
+from . import checkpoint, io, stored
 from .io import CheckpointError
 from .lease import RENEW, Lease, Notices, machine
 from .lease import Lost as _Lost  # (`_Lost`: the name tests and the threads here catch)
@@ -216,8 +216,8 @@ class Publisher:
         try:
             with open(path, "rb") as f:
                 proc = f"/proc/self/fd/{f.fileno()}"
-                end = io.info(proc, verify=False)["tree"].get("end")
-                if not isinstance(end, dict) or end.get("token") != token:
+                end = checkpoint.end_state(io.info(proc, verify=False)["tree"])
+                if end is None or end.get("token") != token:
                     return None  # written again since (a rerun of its stage): the checkpoint's own is gone
                 size = os.fstat(f.fileno()).st_size
                 crc = upload(self.fs, f, self.run.key(key), size)

@@ -17,12 +17,13 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import IO
 
-from . import dist, io, loaders, shardfiles, stored
+from . import dist, io, loaders, shardfiles, store, stored
 from .io import CheckpointError
 from .paths import MANIFEST
 
-__all__ = ["RunFolder", "run_identity"]
+__all__ = ["RunFolder", "RunLock", "run_identity"]
 
 _ENOSPC = os.strerror(errno.ENOSPC)  # the words a user may search a log for
 
@@ -52,7 +53,7 @@ class RunFolder:
         self.pattern = stored.run_checkpoints(self.prefix)
         self.ends = re.compile(re.escape(self.prefix) + r"g(\d{3})" + stored.STAGE_END + "$")
         self.attempt: int | None = None
-        self._lock: tuple | None = None  # (open file, path) while this process trains the run
+        self.lock = RunLock(folder / f".{fname}-{run_id}.lock")
         self.near: list | None = None  # a sharded fit under torch.distributed: the ranks whose disk is rank 0's
 
     def node_local(self) -> bool:
@@ -86,10 +87,10 @@ class RunFolder:
         counts it; any other error (EMFILE, ENOMEM, EACCES ...) is raised: the file may be fine."""
         for p in reversed(self.checkpoints()):
             try:
-                shardfiles.verify(p)  # a file, or a sharded checkpoint's folder: the manifest and every shard
+                store.verify(p)  # a file, or a sharded checkpoint's folder: the manifest and every shard
                 return p
             except CheckpointError as e:
-                if isinstance(e, shardfiles.Incomplete) and dist.active():  # not corrupt: another node may have it
+                if isinstance(e, store.Incomplete) and dist.active():  # not corrupt: another node may have it
                     raise CheckpointError(f"AutoCheckpoint: {e} on rank 0's disk. {_NOT_TOGETHER}") from None
                 _set_aside(p, e)
             except FileNotFoundError:
@@ -112,9 +113,11 @@ class RunFolder:
                     mine = shardfiles.problems(p, range(rank, m["world_size"], world), mf)
                 except (CheckpointError, OSError) as e:  # (said on every rank, not raised on this one alone)
                     mine = [(rank, MANIFEST, str(e))]
-            bad = [row for rows in dist.exchange(f"AutoCheckpoint: {name} checked on every rank", mine) for row in rows]
-            if not bad:
+            try:
+                dist.verdict(f"AutoCheckpoint: {name} checked on every rank", mine or None)
                 return p
+            except dist.RankFailures as e:
+                bad = [row for rows in e.failures.values() for row in rows]
             missing = [(r, f) for r, f, why in bad if why == shardfiles.MISSING]
             if missing:
                 lacks = "; ".join(f"rank {r}'s file {f} is not on its node's disk" for r, f in missing)
@@ -123,51 +126,6 @@ class RunFolder:
             if self.near is None or rank == 0 or not self.near[rank]:  # each disk's copy, once
                 _set_aside(p, CheckpointError(f"rank {r}'s file {f} {why}"), warn=rank == 0)
         return None
-
-    # -- the lock -------------------------------------------------------------------------------
-    def take_lock(self) -> None:
-        "One process per run and folder: a second launch of the same script on the same folder is refused."
-        if self._lock is not None:
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f".{self.fname}-{self.run_id}.lock"
-        for _ in range(10):
-            f = open(path, "a+")
-            try:  # a POSIX record lock: the process's own (DataLoader workers forked from it do not hold it)
-                fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                f.seek(0)
-                holder = f.read().strip() or "another process"
-                f.close()
-                raise RuntimeError(
-                    f"AutoCheckpoint: {holder} is already training this run into {self.folder} (lock "
-                    f"{path.name}); two processes writing one run's checkpoints would delete each "
-                    "other's files. Stop the other one, or give this one another fname or path."
-                ) from None
-            try:  # the file a process ending just now unlinked is not the lock any more: take the new one
-                same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            f.close()
-        else:
-            raise RuntimeError(f"AutoCheckpoint: could not take the lock {path}: it keeps being replaced")
-        f.truncate(0)
-        f.write(f"process {os.getpid()}")
-        f.flush()
-        self._lock = (f, path)
-        atexit.register(self.release_lock)  # the script has ended: no lock file is left behind
-
-    def release_lock(self) -> None:
-        if self._lock is not None:
-            f, path = self._lock
-            self._lock = None
-            try:  # unlinked while still held: nobody can take the old file in between
-                os.unlink(path)
-            except OSError:
-                pass
-            f.close()
 
     # -- removing files -------------------------------------------------------------------------
     def remove_dead_temps(self) -> None:
@@ -274,6 +232,60 @@ class RunFolder:
             "Free space on that disk, or give the Learner a path (or model_dir) on a larger one, then run "
             f"the script again: {resume}. The previous checkpoints are intact."
         )
+
+
+class RunLock:
+    """One process per run and folder: a lock file (`.{fname}-{run}.lock`) held while it trains, naming the
+    process; a POSIX record lock, so a process killed lets it go (DataLoader workers forked from the holder do
+    not hold it)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._held: IO | None = None  # the open lock file while this process trains the run
+
+    def take(self) -> None:
+        "Taken, or a second launch of the same script on the same folder is refused."
+        if self._held is not None:
+            return
+        path = self.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(10):
+            f = open(path, "a+")
+            try:  # a POSIX record lock: the process's own (DataLoader workers forked from it do not hold it)
+                fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                f.close()
+                raise RuntimeError(
+                    f"AutoCheckpoint: {holder} is already training this run into {path.parent} (lock "
+                    f"{path.name}); two processes writing one run's checkpoints would delete each "
+                    "other's files. Stop the other one, or give this one another fname or path."
+                ) from None
+            try:  # the file a process ending just now unlinked is not the lock any more: take the new one
+                same = os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            f.close()
+        else:
+            raise RuntimeError(f"AutoCheckpoint: could not take the lock {path}: it keeps being replaced")
+        f.truncate(0)
+        f.write(f"process {os.getpid()}")
+        f.flush()
+        self._held = f
+        atexit.register(self.release)  # the script has ended: no lock file is left behind
+
+    def release(self) -> None:
+        if self._held is not None:
+            f, path = self._held, self.path
+            self._held = None
+            try:  # unlinked while still held: nobody can take the old file in between
+                os.unlink(path)
+            except OSError:
+                pass
+            f.close()
 
 
 _NOT_TOGETHER = (

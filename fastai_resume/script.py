@@ -8,16 +8,40 @@ script did between them (`between`).
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Script", "Armed", "Interrupted", "script", "session_of", "say", "STAGE_BEGIN_HOOKS", "DISARM_HOOKS"]
+__all__ = [
+    "Script",
+    "Armed",
+    "Interrupted",
+    "script",
+    "session_of",
+    "say",
+    "checking",
+    "CHECK_ENV",
+    "STAGE_BEGIN_HOOKS",
+    "DISARM_HOOKS",
+    "BETWEEN_HOOKS",
+    "FIT_HOOKS",
+]
 
-# Those who act on the script register here, rather than being looked up by it:
+# Those who act on the script register here, rather than being looked up by it (the runtime never imports
+# `check`: the package imports it in the processes `fastai-resume check` runs, and it registers its hooks):
 STAGE_BEGIN_HOOKS: list = []  # `hook(learn, stage)` as a stage begins: `fastai-resume check`, AutoCheckpoint
 DISARM_HOOKS: list = []  # `hook(why)` when an armed resume is cancelled: `fastai-resume check`
+BETWEEN_HOOKS: list = []  # `hook(at, op, file, digest)` per between-stage call, under `fastai-resume check`
+FIT_HOOKS: list = []  # `hook(learn)`: a callback for each resumable fit, or None: `fastai-resume check`'s probe
+
+CHECK_ENV = "FASTAI_RESUME_CHECK"  # set in the processes `fastai-resume check` runs
+
+
+def checking() -> bool:
+    "Does this process run under `fastai-resume check` (where AutoCheckpoint neither saves nor resumes)?"
+    return bool(os.environ.get(CHECK_ENV))
 
 
 def say(msg: str, stacklevel: int = 2) -> None:

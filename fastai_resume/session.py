@@ -14,8 +14,8 @@ from pathlib import Path
 from fastai.callback.core import Callback
 from fastcore.foundation import L
 
-from . import callbacks, check, datalog, dist, frozen, io, loaders, state, trainstate
-from .script import Interrupted, say
+from . import callbacks, datalog, dist, frozen, io, loaders, state, trainstate
+from .script import FIT_HOOKS, Interrupted, say
 from .stages import Stage
 
 __all__ = ["FitPlan", "EventFrames", "ResumeSession", "InBatchSave", "run_fit", "continue_at", "batches_per_rank"]
@@ -446,8 +446,8 @@ def run_fit(learn, sc, st, n_epoch, lr, wd, cbs, reset_opt, start_epoch, start_i
     sc.session = s
     sc.fit_depth += 1
     try:
-        probe = check.probe_for(learn)  # only under `fastai-resume check`
-        learn._orig_fit(n_epoch, lr=lr, wd=wd, cbs=L(s) + L(cbs) + L(probe), reset_opt=reset_opt, start_epoch=0)
+        probes = [cb for hook in FIT_HOOKS if (cb := hook(learn)) is not None]  # `fastai-resume check`'s
+        learn._orig_fit(n_epoch, lr=lr, wd=wd, cbs=L(s) + L(cbs) + L(probes), reset_opt=reset_opt, start_epoch=0)
         st.rows += s.rows
     except BaseException:
         sc.interrupted = Interrupted(st.index, getattr(learn, "epoch", 0), getattr(learn, "iter", 0))

@@ -176,11 +176,8 @@ def problem(path, verify: bool = True) -> str | None:
 
 
 def verify(path) -> None:
-    "Raise `CheckpointError` unless the checkpoint at `path` (a file or a folder) is complete and verifies."
+    "Raise `CheckpointError` (`Incomplete`: a rank's file is missing) unless the sharded checkpoint `path` verifies."
     p = Path(path)
-    if not p.is_dir():
-        io.info(p, verify=True)
-        return
     why = problem(p, verify=True)
     if why is not None:
         raise (Incomplete if why.endswith(f" {MISSING}") else CheckpointError)(

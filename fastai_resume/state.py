@@ -10,6 +10,7 @@ import functools
 import gc
 import operator
 import random
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -51,15 +52,17 @@ __all__ = [
 
 def plain(v: Any) -> Any:
     "`v` with fastai/NumPy containers and scalars turned into the storable base types."
-    return map_tree(v, _plain_leaf, scalars=True)
+    return map_tree(v, _plain_leaf, scalars=True, seqs=_fastcore_lists())
+
+
+def _fastcore_lists() -> tuple:
+    "fastcore's `L`, where it is imported (nothing else makes one): walked as a list."
+    mod = sys.modules.get("fastcore.foundation")
+    return (mod.L,) if mod is not None else ()
 
 
 def _plain_leaf(v: Any) -> Any:
-    if isinstance(v, np.generic):
-        return v.item()
-    if type(v).__name__ == "L":  # fastcore's list
-        return [plain(x) for x in v]
-    return v
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def _py_rng(s) -> Any:

@@ -143,9 +143,9 @@ def model_state(learn):
 
 def kill_in_save(rank, n):
     "Under --fsdp: rank `rank` dies by SIGKILL in its `n`-th sharded save, once its file is written, before the manifest."
-    import fastai_resume.sharded as sh
+    from fastai_resume.store import _Folder
 
-    left, orig = [n], sh._finish
+    left, orig = [n], _Folder.finish
 
     def finish(*args, **kwargs):
         left[0] -= 1
@@ -154,7 +154,7 @@ def kill_in_save(rank, n):
             os.kill(os.getpid(), signal.SIGKILL)
         return orig(*args, **kwargs)
 
-    sh._finish = finish
+    _Folder.finish = finish  # type: ignore[method-assign]
 
 
 def result(learn):
