@@ -962,6 +962,15 @@ static PyObject *core_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
     return PyLong_FromUnsignedLong(r);
 }
 
+static PyObject *core_crc32c_combine(PyObject *Py_UNUSED(m), PyObject *args)
+{
+    unsigned int crc1, crc2;
+    unsigned long long len2;
+    if (!PyArg_ParseTuple(args, "IIK:crc32c_combine", &crc1, &crc2, &len2))
+        return NULL;
+    return PyLong_FromUnsignedLong(frk_crc32c_combine(crc1, crc2, (uint64_t)len2));
+}
+
 static PyObject *core_copy_crc32c(PyObject *Py_UNUSED(m), PyObject *args)
 {
     Py_buffer dst, src;
@@ -1081,6 +1090,9 @@ static PyObject *core_dtype_size(PyObject *Py_UNUSED(m), PyObject *v)
 static PyMethodDef core_methods[] = {
     {"crc32c", core_crc32c, METH_VARARGS,
      "crc32c($module, data, crc=0, /)\n--\n\nCRC32C of data, continuing from crc."},
+    {"crc32c_combine", core_crc32c_combine, METH_VARARGS,
+     "crc32c_combine($module, crc1, crc2, len2, /)\n--\n\n"
+     "The CRC32C of A then B, from A's (crc1), B's (crc2) and B's length in bytes (len2)."},
     {"crc32c_many", core_crc32c_many, METH_VARARGS,
      "crc32c_many($module, buffers, threads, /)\n--\n\n"
      "The CRC32C of each buffer, as a list, computed on `threads` threads with the GIL released."},

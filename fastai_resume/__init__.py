@@ -75,7 +75,7 @@ _LAZY = {
     "PREEMPTED_EXIT_CODE": "autosave",
     "ResumeSession": "session",
     "fsdp_ctx": "fsdp",
-    "make_full": "checkpoint",
+    "make_full": "store",
 }
 _SUBMODULES = {
     "autosave",
@@ -119,8 +119,13 @@ def __getattr__(name):  # fastai's classes are needed only once the user's code 
     raise AttributeError(f"module 'fastai_resume' has no attribute {name!r}")
 
 
-after_import("fastai.learner", lambda: importlib.import_module(".patches", __name__))
-if os.environ.get("FASTAI_RESUME_CHECK"):  # a process `fastai-resume check` runs: its hooks (`script`)
-    after_import("fastai.learner", lambda: importlib.import_module(".check", __name__))
+def _learner_imported() -> None:
+    "fastai's Learner exists: the patches; in a process `fastai-resume check` runs, the check's hooks (`script`)."
+    importlib.import_module(".patches", __name__)
+    if os.environ.get("FASTAI_RESUME_CHECK"):
+        importlib.import_module(".check", __name__)
+
+
+after_import("fastai.learner", _learner_imported)  # (one hook per module: `after_import` keeps the first)
 after_import("fastai.callback.schedule", lambda: importlib.import_module(".patches", __name__)._patch_schedule())
 after_import("fastai.distributed", lambda: importlib.import_module(".patches", __name__).patch_distributed_dl())

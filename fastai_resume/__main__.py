@@ -350,6 +350,15 @@ def _write_atomically(write, dst: Path):
         raise
 
 
+def _holds_every_tensor(tree: dict, src) -> None:
+    if tree.get("frozen"):
+        raise Failure(
+            f"{src}: references {len(tree['frozen'])} frozen tensors it does not hold (the base of a "
+            "fine-tuning run); make a self-contained file first, with the learner built on that base: "
+            "fastai_resume.make_full(learn, src, dst), or learn.save(name, with_iter=True, full=True)"
+        )
+
+
 def _source(src: Path, head: bytes | None, size: int) -> tuple:
     "What `convert` reads: (model state dict, optimizer state or None, what it is)."
     if src.is_dir():
@@ -359,6 +368,7 @@ def _source(src: Path, head: bytes | None, size: int) -> tuple:
         elif _is_sharded(src):
             tree = shardfiles.gathered(src)  # every tensor whole, in this one process
             _check_learner(tree, src)
+            _holds_every_tensor(tree, src)
             what = "a sharded checkpoint"
         else:
             raise Failure(f"{src}: is a folder, not a file (nor a sharded or a DCP checkpoint)")
@@ -375,12 +385,7 @@ def _source(src: Path, head: bytes | None, size: int) -> tuple:
         _check_learner(tree, src)
         if not isinstance(tree["model"], dict):
             raise Failure(f"{src}: 'model' is a {type(tree['model']).__name__}, not a state dict")
-        if tree.get("frozen"):
-            raise Failure(
-                f"{src}: references {len(tree['frozen'])} frozen tensors it does not hold (the base of a "
-                "fine-tuning run); make a self-contained file first, with the learner built on that base: "
-                "fastai_resume.make_full(learn, src, dst), or learn.save(name, with_iter=True, full=True)"
-            )
+        _holds_every_tensor(tree, src)
         return tree["model"], tree.get("opt"), "a fastai_resume checkpoint"
     model, opt = pth.read(src, head or b"")
     return model, opt, "a torch.save file"

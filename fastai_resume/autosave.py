@@ -327,11 +327,12 @@ class Saves:
                 direct=self.direct,
                 publish_here=background == "auto" and trainstate.training_device(learn).type == "cpu",
             )
-        except (OSError, TypeError, ValueError, RuntimeError) as e:
+        except store.CouldNotStart as e:
             if not dist.active():
-                raise
+                raise e.error from None
             self.fail(
-                f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints are intact.", e
+                f"AutoCheckpoint: the save of {path} could not start: {e}. The previous checkpoints are intact.",
+                e.error,
             )
             return None
         return path

@@ -42,7 +42,6 @@ __all__ = [
     "check",
     "load_tree",
     "model_mismatch",
-    "make_full",
 ]
 
 STATE_VERSION = trainstate.VERSION
@@ -275,23 +274,3 @@ def opt_mismatch(opt, saved: dict) -> str:
                 if not isinstance(v, (torch.Tensor, int, float, bool, type(None))):
                     return f"state[{i}][{k!r}] is a {type(v).__name__}"
     return ""
-
-
-def make_full(learn, src, dst) -> Path:
-    """Write `dst`, the self-contained twin of the checkpoint `src`: the frozen tensors it references taken
-    from `learn`'s model once they are checked to be those (everything else as `src` holds it)."""
-    from fastai.torch_core import get_model
-
-    src, dst = Path(src), Path(dst)
-    tree = read(src)
-    model = get_model(learn.model)
-    model_mismatch_or_raise(model, tree, src, strict=True)
-    frozen.check(model, tree, src)
-    sd = model.state_dict()
-    held = tree["model"]
-    tree["model"] = {
-        k: held[k] if k in held else sd[k].detach().cpu() for k in sd if k in held or k in tree.get("frozen", {})
-    }
-    tree.pop("frozen", None)
-    io.save(tree, dst)
-    return dst

@@ -62,6 +62,7 @@ __all__ = [
     "fetch_missing",
     "sees_rank0",
     "sharded",
+    "is_dtensor",
     "unwrap_dl",
     "is_distributed_dl",
 ]
@@ -216,6 +217,9 @@ class RankFailures(CheckpointError):
         super().__init__(msg)
         self.failures = failures
 
+    def __reduce__(self):
+        return type(self), (str(self), self.failures)
+
 
 def verdict(
     step: str,
@@ -240,13 +244,27 @@ def verdict(
     bad = {r: row[0] for r, row in enumerate(rows) if row[0] is not None}
     if not bad:
         return [row[1] for row in rows]
-    failures = "; ".join(f"rank {r}: {why}" for r, why in bad.items())
     if own is not None:
         others = {r: w for r, w in bad.items() if r != rank()}
-        if others:
-            own.add_note("also failed: " + "; ".join(f"rank {r}: {w}" for r, w in others.items()))
+        same = [r for r, w in others.items() if w == failure]
+        if same:
+            own.add_note(f"the same on {_ranks(same)}")
+        if len(same) < len(others):
+            own.add_note("also failed: " + _named({r: w for r, w in others.items() if w != failure}))
         raise own
-    raise RankFailures(failed.format(step=step, failures=failures), bad)
+    raise RankFailures(failed.format(step=step, failures=_named(bad)), bad)
+
+
+def _ranks(rs: list) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
+
+
+def _named(bad: dict) -> str:
+    "Every failing rank and what it said, ranks that said the same together: 'rank 0: ...; ranks 1, 3: ...'."
+    said: dict = {}
+    for r, why in bad.items():
+        said.setdefault(str(why), []).append(r)
+    return "; ".join(f"{_ranks(rs)}: {why}" for why, rs in said.items())
 
 
 def together(step: str, fn, failed: str = "{step}: {failures}; every rank stops"):
@@ -384,6 +402,12 @@ def sees_rank0(step: str, folder) -> list:
     finally:
         if D.get_rank() == 0:
             probe.unlink(missing_ok=True)
+
+
+def is_dtensor(v) -> bool:
+    "Is `v` a DTensor (a sharded model's parameter)? Nothing is imported: none exists before torch imports it."
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(v, mod.DTensor)
 
 
 def sharded(model) -> bool:

@@ -27,8 +27,11 @@ holds frozen tensors its stage changed (`held_frozen`), changes nothing in the l
 resumed fit puts the checkpoint's state in, and refuses to start, on every rank, unless each referenced
 tensor is what its stage began with (`recheck`, against the fingerprints the stage took anyway) and the
 same parameters are frozen as when the checkpoint was saved (`trainstate`). `full=True` saves every
-tensor; `checkpoint.make_full` writes a delta file's self-contained twin from the learner it is checked
-against. A sharded (FSDP2) model's checkpoints hold every tensor: each rank writes only its part already.
+tensor; `store.make_full` writes a delta file's self-contained twin from the learner it is checked
+against. A sharded (FSDP2) model's checkpoint is such a delta too: each rank holds its part of what trains,
+and a frozen DTensor's fingerprint is the CRC32C of the whole tensor, combined from every rank's part (the
+same at any world size, and the same as the unsharded tensor's: a checkpoint moves between world sizes
+and checks its base at each), collective like the save and the load.
 """
 
 from __future__ import annotations
@@ -77,18 +80,55 @@ def fingerprints(tensors: dict) -> dict:
     """`{name: {crc, shape, dtype}}` of `{name: tensor}`: a CPU tensor whose bytes are a file region read
     before takes that read's CRC (`provenance`), the other CPU tensors are read on every core at once, a
     device tensor through a host copy of its own (one at a time); a tensor under several names (tied
-    weights) is read once."""
+    weights) is read once. A sharded model's DTensors (`_sharded_crcs`: collective, every rank calls it with
+    the same names) get the CRC32C of the whole tensor, as if it were not sharded, from each rank's part;
+    one placed otherwise than FSDP's rows per rank, or whole on every rank, gets none (it is held)."""
+    whole = {k: t for k, t in tensors.items() if not dist.is_dtensor(t)}
     key = lambda t: (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)  # noqa: E731
     first: dict = {}
-    for k, t in tensors.items():
+    for k, t in whole.items():
         first.setdefault(key(t), k)
-    cpu = [k for k in first.values() if tensors[k].device.type == "cpu"]
-    read = lambda names: io.crc32c_many([_bytes(tensors[k]) for k in names], _THREADS)  # noqa: E731
-    crcs = provenance.crcs({k: tensors[k] for k in cpu}, read)  # a file's bytes, unwritten: known, not read
+    cpu = [k for k in first.values() if whole[k].device.type == "cpu"]
+    read = lambda names: io.crc32c_many([_bytes(whole[k]) for k in names], _THREADS)  # noqa: E731
+    crcs = provenance.crcs({k: whole[k] for k in cpu}, read)  # a file's bytes, unwritten: known, not read
     for k in first.values():
         if k not in crcs:
-            crcs[k] = io.crc32c_many([_bytes(tensors[k])], _THREADS)[0]
-    return {k: _fingerprint(t, crcs[first[key(t)]]) for k, t in tensors.items()}
+            crcs[k] = io.crc32c_many([_bytes(whole[k])], _THREADS)[0]
+    out = {k: _fingerprint(t, crcs[first[key(t)]]) for k, t in whole.items()}
+    for k, crc in _sharded_crcs({k: t for k, t in tensors.items() if k not in whole}).items():
+        if crc is not None:  # (placed otherwise: no fingerprint, held)
+            out[k] = _fingerprint(tensors[k], crc)
+    return {k: out[k] for k in tensors if k in out}
+
+
+def _sharded_crcs(tensors: dict) -> dict:
+    """The CRC32C of each DTensor's whole bytes (row-major, as the unsharded tensor's), from this rank's part:
+    under FSDP's placement (`Shard(0)` on a 1-D mesh) the ranks' parts are consecutive rows, so the whole
+    tensor's CRC is their CRCs combined in rank order (one exchange of two integers per tensor and rank); a
+    replicated one is whole here. None: placed otherwise (not fingerprinted). Collective when any is given."""
+    if not tensors:
+        return {}
+    mine = []
+    for t in tensors.values():
+        kinds = [type(p).__name__ for p in t.placements]
+        how = "whole" if all(k == "Replicate" for k in kinds) else None
+        if t.device_mesh.ndim == 1 and kinds == ["Shard"] and t.placements[0].dim == 0:
+            how = "rows"
+        local = t.to_local()
+        crc = io.crc32c_many([_bytes(local)], _THREADS)[0] if how else 0
+        mine.append([how, crc, local.numel() * local.element_size()])
+    rows = dist.exchange("the frozen tensors' fingerprints, every rank's part", mine)
+    out: dict = {}
+    for i, k in enumerate(tensors):
+        how = mine[i][0]
+        if how == "rows":
+            crc = 0
+            for r in rows:
+                crc = io.crc32c_combine(crc, r[i][1], r[i][2])
+            out[k] = crc
+        else:
+            out[k] = mine[i][1] if how == "whole" else None
+    return out
 
 
 def _fingerprint(t: torch.Tensor, crc: int) -> dict:
@@ -107,9 +147,6 @@ def stage_began(learn, first_fit: bool = True) -> None:
 
     sc = script(learn)
     model = get_model(learn.model)
-    if dist.sharded(model):
-        sc.base = {}
-        return
     known = {} if first_fit or sc.base is None else sc.base
     now = _frozen_params(model)
     sc.base = {**known, **fingerprints({k: p for k, p in now.items() if k not in known})}
@@ -123,7 +160,7 @@ def split(learn, sd: dict, full: bool = False) -> tuple[dict, dict | None]:
     from fastai.torch_core import get_model
 
     model = get_model(learn.model)
-    if full or dist.sharded(model):
+    if full:
         return sd, None
     frozen = {k: sd[k] for k, p in _frozen_params(model).items() if k in sd and _same(sd[k], p)}
     if not frozen:
@@ -146,7 +183,8 @@ def split(learn, sd: dict, full: bool = False) -> tuple[dict, dict | None]:
 
 def _same(v, p) -> bool:
     "Whether the state dict's entry is the parameter's own tensor (a module may put something else there)."
-    return isinstance(v, torch.Tensor) and v.shape == p.shape and v.data_ptr() == p.data_ptr()
+    ptr = lambda t: t.to_local().data_ptr() if dist.is_dtensor(t) else t.data_ptr()  # noqa: E731
+    return isinstance(v, torch.Tensor) and v.shape == p.shape and ptr(v) == ptr(p)
 
 
 def is_delta(tree) -> bool:
@@ -212,11 +250,6 @@ def check(model, tree, path, defer: bool = False, known: dict | None = None) -> 
     refs = tree.get("frozen")
     if not refs:
         return None
-    if dist.sharded(model):
-        raise CheckpointError(
-            f"{path} references {len(refs)} frozen tensors it does not hold, and this model is sharded: make a "
-            "self-contained file first with the unsharded learner (fastai_resume.make_full)"
-        )
     sd = model.state_dict()
     missing = [k for k in refs if k not in sd]
     if missing:
@@ -224,9 +257,9 @@ def check(model, tree, path, defer: bool = False, known: dict | None = None) -> 
     if defer:
         return refs
     now = _now(sd, refs, known)
-    k = next((k for k, want in refs.items() if now[k] != want), None)
+    k = next((k for k, want in refs.items() if now.get(k) != want), None)
     if k is not None:
-        raise CheckpointError(_differs(path, k, refs[k], now[k]))
+        raise CheckpointError(_differs(path, k, refs[k], now.get(k)))
     return refs
 
 
@@ -269,9 +302,9 @@ def recheck(learn, refs: dict | None, source) -> None:
             bad = f"{source}: this learner's model has no {missing[0]} (a frozen tensor the file references)"
         else:
             now = _now(sd, refs, base)
-            k = next((k for k, want in refs.items() if now[k] != want), None)
+            k = next((k for k, want in refs.items() if now.get(k) != want), None)
             if k is not None:
-                bad = _differs(source, k, refs[k], now[k]) + " (checked as the resumed fit starts)"
+                bad = _differs(source, k, refs[k], now.get(k)) + " (checked as the resumed fit starts)"
     # every rank refuses together
     dist.verdict(
         "the resumed fit's frozen tensors", bad, own=CheckpointError(bad) if bad else None, failed="{failures}"
@@ -279,6 +312,11 @@ def recheck(learn, refs: dict | None, source) -> None:
 
 
 def _differs(path, name, want, got) -> str:
+    if got is None:  # (a sharded model's tensor placed otherwise than FSDP's rows per rank)
+        return (
+            f"{path}: the frozen tensor {name} cannot be checked in this model (sharded otherwise than by rows per "
+            "rank): load a self-contained checkpoint (saved with full=True, or made by fastai_resume.make_full)"
+        )
     what = (
         f"shape {want['shape']} in the file, {got['shape']} here"
         if want["shape"] != got["shape"]

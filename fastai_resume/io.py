@@ -28,6 +28,7 @@ from ._core import (  # (re-exported: the C core as the modules above use it)
     copy_crc32c,
     copy_use_openmp,
     crc32c,
+    crc32c_combine,
     has_magic,
     skip_plan,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "info",
     "map_tree",
     "crc32c",
+    "crc32c_combine",
     "crc32c_many",
     "copy_crc32c",
     "copy_use_openmp",

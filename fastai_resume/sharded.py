@@ -29,21 +29,13 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, dist, io, shardfiles
+from .dist import is_dtensor
 from .io import CheckpointError
 from .paths import MANIFEST
 
 __all__ = ["localize", "rank_tree", "reshard", "read_folder", "distribute"]
 
 # ---- DTensors ---------------------------------------------------------------------------------------
-
-
-def _dtensor_mod():
-    return sys.modules.get("torch.distributed.tensor")
-
-
-def is_dtensor(v) -> bool:
-    mod = _dtensor_mod()
-    return mod is not None and isinstance(v, mod.DTensor)
 
 
 def _placements(v, where: str) -> list:

@@ -6,6 +6,7 @@
                                            manifest); synchronously, or in the background (a `Pending`)
     read(path, learn)                      validated, as `learn`'s model takes it (a sharded one: DTensors)
     verify(path)                           complete and intact (a folder: its manifest and every rank's file)
+    make_full(learn, src, dst)             a delta's self-contained twin, its frozen tensors from the learner
 
 A save of a model that is not sharded (one process, DDP) never enters `sharded`, which keeps the
 DTensor mechanics: a rank's tree of local tensors, and reading a folder into a model at any world size.
@@ -24,12 +25,12 @@ import os
 import secrets
 from pathlib import Path
 
-from . import checkpoint, dist, io, sharded, shardfiles, stored
+from . import checkpoint, dist, frozen, io, sharded, shardfiles, stored
 from .paths import MANIFEST
 from .shardfiles import SCHEMA, Incomplete, shard_name
 from .snapshot import BackgroundCommit
 
-__all__ = ["save", "read", "verify", "Pending", "Incomplete"]
+__all__ = ["save", "read", "verify", "make_full", "Pending", "CouldNotStart", "Incomplete"]
 
 
 class Pending:
@@ -96,12 +97,23 @@ def save(learn, path, build, background=False, pool=None, then=None, direct=True
     if not background:
         _commit_file(path, build)
         return None
-    tree = build()  # under DDP: collective
+    tree = build()  # under DDP: collective (its errors are raised as a synchronous save's)
     if tree is None:
         return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    w = BackgroundCommit(tree, path, pool, then=then, direct=direct, publish_here=publish_here)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        w = BackgroundCommit(tree, path, pool, then=then, direct=direct, publish_here=publish_here)
+    except (OSError, TypeError, ValueError, RuntimeError) as e:
+        raise CouldNotStart(e) from e
     return Pending(path, w)
+
+
+class CouldNotStart(Exception):
+    "A background save of a file whose write could not start (`error`: a folder not made, an unstorable value)."
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _commit_file(path: Path, build) -> None:
@@ -231,3 +243,24 @@ def verify(path) -> None:
         shardfiles.verify(p)
     else:
         io.info(p, verify=True)
+
+
+def make_full(learn, src, dst) -> Path:
+    """Write `dst`, the self-contained twin of the checkpoint `src`: the frozen tensors it references taken
+    from `learn`'s model once they are checked to be those (everything else as `src` holds it). Laid out as
+    `learn`'s model is (`save`): a sharded learner's ranks (every rank calls it) write a sharded checkpoint,
+    each its part of every tensor."""
+    from fastai.torch_core import get_model
+
+    src, dst = Path(src), Path(dst)
+    if getattr(learn, "opt", None) is None:
+        learn.create_opt()  # (a sharded checkpoint's optimizer state is read into its parameters' placement)
+    tree = read(src, learn)
+    model = get_model(learn.model)
+    checkpoint.model_mismatch_or_raise(model, tree, src, strict=True)
+    frozen.check(model, tree, src)  # (collective for a sharded model, as the read)
+    sd, held, refs = model.state_dict(), tree["model"], tree.pop("frozen", None) or {}
+    own = lambda t: t.detach() if dist.is_dtensor(t) else t.detach().cpu()  # noqa: E731
+    tree["model"] = {k: held[k] if k in held else own(sd[k]) for k in sd if k in held or k in refs}
+    save(learn, dst, lambda: tree)
+    return dst

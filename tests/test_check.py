@@ -96,3 +96,21 @@ def test_the_check_command_exits_1_on_a_difference_and_0_when_exact(tmp_path):
     bad = subprocess.run(base + ["--plant"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("OK   exact"), ok.stdout + ok.stderr
     assert bad.returncode == 1 and bad.stdout.startswith("DIFF first difference"), bad.stdout + bad.stderr
+
+
+@pytest.mark.parametrize("first", ["fastai_resume", "fastai.learner"])
+def test_a_process_the_check_runs_has_its_hooks_whichever_it_imports_first(first):
+    "The runtime never imports `check`: the package imports it where the check runs a script, as fastai's Learner arrives."
+    other = "fastai.learner" if first == "fastai_resume" else "fastai_resume"
+    code = (
+        f"import {first}, {other}\n"
+        "from fastai_resume import script\n"
+        "print(len(script.FIT_HOOKS), len(script.BETWEEN_HOOKS), len(script.STAGE_BEGIN_HOOKS), "
+        "'fastai_resume.check' in __import__('sys').modules)"
+    )
+    env = dict(ENV, PYTHONPATH=os.path.dirname(HERE))
+    for mode, want in (("record", "1 1 1 True"), ("", "0 0 0 False")):
+        p = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "FASTAI_RESUME_CHECK": mode}
+        )
+        assert p.returncode == 0 and p.stdout.split("\n")[-2] == want, (mode, p.stdout[-1000:], p.stderr[-2000:])

@@ -130,3 +130,51 @@ def test_a_base_file_rewritten_in_place_after_its_crcs_were_remembered_is_refuse
     log = run_app("llm", tmp_path, tmp_path / "out.frk", expect=1)
     assert "is not the one this checkpoint was saved with" in log
     assert not (tmp_path / "out.frk").exists()
+
+
+# ---- sharded: FSDP2 LoRA (tests/fsdp_lora.py, 2 ranks launched by torchrun, gloo) --------------------
+
+
+def _fsdp_lora(path, out, *args, n=2, ok=True):
+    import subprocess
+    import sys
+
+    from procs import ENV, HERE
+
+    script = [os.path.join(HERE, "fsdp_lora.py"), "--path", str(path), "--out", str(out), *args]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
+    cmd = [sys.executable, *script] if "--plain" in args else launch + script
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    if ok:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+@pytest.mark.slow
+def test_fsdp2_lora_checkpoints_hold_the_adapters_resume_bitwise_and_refuse_another_base_at_any_world_size(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir(), run.mkdir()
+    _fsdp_lora(ref, ref / "out.frk")
+    p = _fsdp_lora(run, run / "dead.frk", "--die-at", "7", ok=False)
+    assert p.returncode != 0 and "SIGKILL" in p.stdout + p.stderr
+    folder = run / "models" / "crash.frk"
+    base = fr.load(ref / "out.frk.rank0")["params"]
+    frozen = {k for k in base if "lora_" not in k}
+    for f in sorted(folder.glob("shard-*")):  # each rank: its part of the adapters, the base by fingerprint
+        tree = fr.load(f)
+        assert set(tree["model"]) <= {k for k in base if "lora_" in k} and len(tree["model"]) == len(base) - len(frozen)
+        assert set(tree["frozen"]) >= frozen  # (and the tied head under its own name)
+    _fsdp_lora(run, run / "res.frk", "--resume", "crash")
+    for r in range(2):  # bitwise the uninterrupted run on every rank: losses and every parameter
+        a, b = fr.load(ref / f"out.frk.rank{r}"), fr.load(run / f"res.frk.rank{r}")
+        assert equal(a["losses"], b["losses"]) and equal(a["params"], b["params"]), f"rank {r}"
+    p = _fsdp_lora(run, run / "bad.frk", "--resume", "crash", "--base-seed", "1", ok=False)
+    out = p.stdout + p.stderr
+    for r in (0, 1):  # another base: refused on every rank, naming a tensor, before anything trains
+        assert f"[rank{r}]: fastai_resume.CheckpointError: {folder}: the frozen tensor" in out, out[-4000:]
+    assert not (run / "bad.frk.rank0").exists()
+    # 2 ranks -> 1 process, the model not sharded: the same fingerprints check the same base
+    p = _fsdp_lora(run, run / "one.frk", "--plain", "--resume", "crash")
+    assert "resuming" in p.stdout and "saved by 2 process(es) and this fit runs 1" in p.stdout + p.stderr
+    p = _fsdp_lora(run, run / "onebad.frk", "--plain", "--resume", "crash", "--base-seed", "1", ok=False)
+    assert p.returncode != 0 and "is not the one this checkpoint was saved with" in p.stderr, p.stderr[-3000:]

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from procs import ENV, FORKS, HERE, equal, kill_job, shared_run, start, torchrun_trainer, wait_for_line
+from procs import ENV, FORKS, HERE, equal, kill_job, shared_run, start, torchrun_trainer, trainer_cmd, wait_for_line
 from torch import nn
 
 import fastai_resume as fr
@@ -528,3 +528,63 @@ def test_on_cuda_with_nccl_a_killed_run_resumes_bitwise(tmp_path):
     for a, b in zip(ref, res):
         for key in KEYS:
             assert equal(a[key], b[key]), key
+
+
+# ---- a partly frozen sharded model: its checkpoints hold what trains ----------------------------------
+
+FROZEN = ("0.weight", "0.bias")  # trainer.py --freeze: the first layer frozen, as a fine-tune freezes a base
+
+
+@pytest.mark.slow
+def test_a_partly_frozen_sharded_model_checkpoints_what_trains_and_resumes_bitwise_on_every_rank(tmp_root, tmp_path):
+    ref = reference(tmp_root, 2, "--freeze")
+    folder = from_killed(tmp_root, tmp_path, 2, 1, 5, "--freeze")
+    saved = fr.load(os.path.join(killed(tmp_root, 2, 1, 5, "--freeze"), "dead.frk.rank0.saved"))["full_model"]
+    m = shardfiles.read_manifest(folder)
+    for s in m["shards"]:  # no rank holds any part of the frozen layer: each names it by the whole tensor's CRC32C
+        tree = fr.load(folder / s["file"])
+        assert not set(FROZEN) & set(tree["model"]) and set(tree["frozen"]) == set(FROZEN)
+        for k in FROZEN:
+            whole = saved[k].contiguous().view(-1).view(torch.uint8).numpy()
+            assert tree["frozen"][k] == {"crc": io.crc32c(whole), "shape": list(saved[k].shape), "dtype": "float32"}
+    p = launch(2, tmp_path, tmp_path / "res.frk", "--resume", "crash", "--freeze")
+    assert p.stdout.count("at epoch 1, iteration 5/23") == 2
+    assert_same_on_every_rank(ref, ranks(tmp_path / "res.frk", 2), 2)
+    # make_full on every rank: a sharded checkpoint holding every tensor (the frozen layer's from the learner,
+    # checked first), which resumes the run exactly, also on a learner built on another base
+    p = launch(2, tmp_path, tmp_path / "full.frk", "--resume", "crash", "--make-full", "full", "--freeze")
+    for s in shardfiles.read_manifest(tmp_path / "models" / "full.frk")["shards"]:
+        tree = fr.load(tmp_path / "models" / "full.frk" / s["file"])
+        assert set(FROZEN) <= set(tree["model"]) and "frozen" not in tree
+    assert_same_on_every_rank(ref, ranks(tmp_path / "full.frk", 2), 2)
+    launch(2, tmp_path, tmp_path / "other.frk", "--resume", "full", "--freeze", "--other-base")
+    assert_same_on_every_rank(ref, ranks(tmp_path / "other.frk", 2), 2)
+
+
+@pytest.mark.slow
+def test_a_sharded_delta_moves_between_world_sizes_and_another_base_is_refused_on_every_rank(tmp_root, tmp_path):
+    folder = from_killed(tmp_root, tmp_path, 2, 1, 5, "--freeze")
+    one = lambda d, *args: subprocess.run(  # noqa: E731  (one process, the model not sharded)
+        trainer_cmd(d, d / "out.frk", "--bn", "--freeze", *args), capture_output=True, text=True, env=ENV, timeout=600
+    )
+    # 2 ranks -> 1 process: the whole tensor's fingerprint is the unsharded tensor's CRC32C
+    p = one(tmp_path, "--resume", "crash")
+    assert p.returncode == 0 and "resuming" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
+    p = one(tmp_path, "--resume", "crash", "--other-base")
+    assert p.returncode != 0 and "the frozen tensor 0.weight is not the one" in p.stderr, p.stderr[-3000:]
+    # another base at the saved world size: refused on every rank, naming the tensor, nothing trained
+    p = launch(2, tmp_path, tmp_path / "bad.frk", "--resume", "crash", "--freeze", "--other-base", ok=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and all(
+        f"[rank{r}]: fastai_resume.CheckpointError: {folder}: the frozen tensor 0.weight" in out for r in (0, 1)
+    ), out[-4000:]
+    assert not (tmp_path / "bad.frk.rank0").exists()
+    # 1 process -> 2 ranks: a single process's delta file into a sharded model
+    d = tmp_path / "single"
+    p = one(d, "--die-at", "1,5")
+    assert p.returncode == -signal.SIGKILL and (d / "models" / "crash.frk").is_file(), p.stderr[-2000:]
+    assert set(fr.load(d / "models" / "crash.frk")["frozen"]) == set(FROZEN)
+    p = launch(2, d, d / "two.frk", "--resume", "crash", "--freeze")
+    assert p.stdout.count("resuming") == 2
+    p = launch(2, d, d / "bad.frk", "--resume", "crash", "--freeze", "--other-base", ok=False)
+    assert p.returncode != 0 and (p.stdout + p.stderr).count("the frozen tensor 0.weight is not the one") >= 2

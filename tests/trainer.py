@@ -115,7 +115,7 @@ class SeenItems(Callback):
 
 def full(tree):
     "`tree` with every DTensor gathered whole (a collective: every rank calls it), for comparing across world sizes."
-    from fastai_resume.sharded import is_dtensor
+    from fastai_resume.dist import is_dtensor
 
     if is_dtensor(tree):
         return tree.full_tensor()
@@ -221,6 +221,13 @@ def main(argv=None):
     )
     ap.add_argument("--cuda", action="store_true", help="under --fsdp: on this rank's GPU (NCCL)")
     ap.add_argument("--bn", action="store_true", help="a model with BatchNorm and unevenly sharded rows")
+    ap.add_argument(
+        "--freeze", action="store_true", help="the first layer frozen (a fine-tune: its checkpoint a delta)"
+    )
+    ap.add_argument("--other-base", action="store_true", help="negative control: the frozen layer not the saved one's")
+    ap.add_argument(
+        "--make-full", default=None, help="NAME: write --resume's self-contained twin (make_full), then train"
+    )
     ap.add_argument("--kill-in-save", default=None, help="R,N: under --fsdp rank R dies in its N-th save")
     ap.add_argument(
         "--dump-state",
@@ -268,6 +275,11 @@ def main(argv=None):
     learn = build(a.path, nw=a.workers, noise=not a.no_noise, torch_opt=a.torch_opt, extra_cbs=cbs, bn=a.bn)
     if a.workers == 0:
         learn.add_cb(SeenItems(learn.dls.train))
+    if a.freeze:
+        learn.model[0].requires_grad_(False)
+    if a.other_base:
+        with torch.no_grad():
+            learn.model[0].weight[0, 0] += 1.0
     if a.kill_in_save:
         kill_in_save(*map(int, a.kill_in_save.split(",")))
     if a.ddp or a.fsdp:  # ranks draw different augmentation noise and dropout masks: per-rank RNG matters
@@ -297,6 +309,10 @@ def main(argv=None):
 def train(learn, a, fit_cbs):
     if a.stall and int(os.environ.get("RANK", 0)) == int(a.stall.split(",")[0]):
         time.sleep(float(a.stall.split(",")[1]))
+    if a.make_full:
+        models = learn.path / learn.model_dir
+        fastai_resume.make_full(learn, models / f"{a.resume}.frk", models / f"{a.make_full}.frk")
+        a.resume = a.make_full
     saved = a.resume and (not a.resume_if_saved or any((learn.path / learn.model_dir).glob(f"{a.resume}.*")))
     if saved:
         learn.load(a.resume)
