@@ -114,6 +114,7 @@ bench: build
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 bench/ddp_control.py
 	$(PY) bench/sharded.py
 	$(PY) bench/llm.py
+	$(PY) bench/fsdp_lora.py
 	$(PY) bench/streams.py
 	$(PY) bench/everystep.py
 	$(PY) bench/report.py

@@ -541,6 +541,37 @@ def everystep(res) -> str:
     return "\n".join(out + ["", machine_line(res)])
 
 
+def fsdp_lora(res) -> str:
+    "A sharded LoRA fine-tune's checkpoint: rank 0's bytes and the slowest rank's save, against full and DCP."
+    t, b, share = res["save_s"], res["bytes_rank0"], res["trainable_and_opt_share"]
+    labels = {
+        "ours": "`learn.save(name)`: what trains, the base by fingerprint",
+        "ours_full": "`learn.save(name, full=True)`: every tensor",
+        "dcp": "DCP `dcp.save` of the trainable and optimizer state",
+    }
+    out = [
+        f"{res['model']} (the base {res['base_bytes'] / 2**20:.0f} MiB), loaded by `from_pretrained`, LoRA r=8 on "
+        f"`c_attn`, {res['world']} ranks (gloo) in `fsdp_ctx`; the trainable and optimizer state's share of rank 0: "
+        f"{share / 2**20:.2f} MiB. Save: the slowest rank's, median (min to max) over the rounds; bytes: rank 0's files.",
+        "",
+        "| save | rank 0's bytes | x the trainable and optimizer share | save time | x DCP's |",
+        "|---|---|---|---|---|",
+    ]
+    for k in ("ours", "ours_full", "dcp"):
+        out.append(
+            f"| {labels[k]} | {b[k] / 2**20:.2f} MiB | {b[k] / share:.2f}x | {_mm(t[k], 1e3, '{:.0f} ms')} | "
+            f"{t[k]['median'] / t['dcp']['median']:.2f}x |"
+        )
+    bytes_x, time_x = b["ours"] / share, t["ours"]["median"] / t["dcp"]["median"]
+    out += [
+        "",
+        f"Targets: bytes at most 1.5x the share ({'met' if bytes_x <= 1.5 else 'not met'}: {bytes_x:.2f}x), save at "
+        f"most 2x DCP's ({'met' if time_x <= 2 else 'not met'}: {time_x:.2f}x); the full checkpoint is "
+        f"{b['ours_full'] / b['ours']:.0f}x ours.",
+    ]
+    return "\n".join(out + ["", machine_line(res)])
+
+
 def everystep_summary(res) -> str:
     "The README's line of the every-step benchmark: the save's own time first (what the machine's noise does not blur)."
     step, added, own = res["step_s"], res["added_pct"], res.get("stall_pct", {})
@@ -566,6 +597,7 @@ RENDER = {
     "llm": llm,
     "streams": streams,
     "everystep": everystep,
+    "fsdp_lora": fsdp_lora,
 }
 # Benchmarks whose block is in a page of docs/ rather than in the README (which links to the page).
 PAGES = {
@@ -573,6 +605,7 @@ PAGES = {
     "llm": os.path.join(HERE, "..", "docs", "finetuning.md"),
     "streams": os.path.join(HERE, "..", "docs", "streams.md"),
     "everystep": os.path.join(HERE, "..", "docs", "finetuning.md"),
+    "fsdp_lora": os.path.join(HERE, "..", "docs", "finetuning.md"),
 }
 # Summaries in the project's README.md of a benchmark whose whole table is on the benchmarks page:
 # block name -> (the benchmark whose result file it reads, its renderer).

@@ -7,6 +7,7 @@ misses), every buffer, anything else in the state dict, and any frozen parameter
 reproduce by itself. Each other frozen parameter is recorded in the tree's `frozen` by fingerprint:
 
     "frozen": {name: {"crc": CRC32C of its bytes, "shape": [...], "dtype": "float32"}}
+              (or "h64" instead of "crc": a tensor on an accelerator, fingerprinted where it lives: `h64`)
 
 A rerun reproduces a frozen tensor when it is what the stage began with (`stage_began` takes the
 fingerprints of the frozen parameters as each stage and each fit begins: the stage's base), and either
@@ -76,63 +77,111 @@ def _materialized(t) -> bool:
     return not isinstance(t, (UninitializedParameter, UninitializedBuffer)) and t.device.type != "meta"
 
 
-def fingerprints(tensors: dict) -> dict:
-    """`{name: {crc, shape, dtype}}` of `{name: tensor}`: a CPU tensor whose bytes are a file region read
-    before takes that read's CRC (`provenance`), the other CPU tensors are read on every core at once, a
-    device tensor through a host copy of its own (one at a time); a tensor under several names (tied
-    weights) is read once. A sharded model's DTensors (`_sharded_crcs`: collective, every rank calls it with
-    the same names) get the CRC32C of the whole tensor, as if it were not sharded, from each rank's part;
-    one placed otherwise than FSDP's rows per rank, or whole on every rank, gets none (it is held)."""
+ENV = "FASTAI_RESUME_FINGERPRINT"  # "h64": every tensor's fingerprint computed where it lives (tests, by choice)
+_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_K1, _K2 = -7046029254386353131, 6364136223846793005  # (0x9E3779B97F4A7C15 as int64; an LCG's multiplier)
+_H64_CHUNK = 1 << 24  # words per pass: bounds the temporaries (8 bytes a word, a few of them)
+_MASK64 = (1 << 64) - 1
+
+
+def h64(t: torch.Tensor, first_word: int = 0) -> int:
+    """A tensor's fingerprint computed with torch operations on its own device (nothing copied to the host but
+    one integer a pass): its bytes as words of its element's size (8 bytes at most: a complex128 is two), word
+    i weighted by an odd 64-bit constant drawn from i, summed mod 2^64. Any one changed word changes it (an odd
+    weight is invertible mod 2^64), integer sums are exact in any order (every device, every reduction gives
+    the same), and a shard's partial sum (`first_word`: the global index of its first word) adds up with the
+    others' to the whole tensor's. A checksum against accidents, as a CRC is, not against an adversary."""
+    t = t.detach().contiguous().reshape(-1)
+    w = t.view(_WORD[min(t.element_size(), 8)]) if t.dtype != torch.bool else t.view(torch.int8)
+    total = 0
+    for s in range(0, w.numel(), _H64_CHUNK):
+        part = w[s : s + _H64_CHUNK].to(torch.int64)
+        i = torch.arange(first_word + s, first_word + s + part.numel(), dtype=torch.int64, device=w.device)
+        z = i * _K1
+        z = (z ^ (z >> 31)) * _K2
+        total += int((part * (z | 1)).sum())
+    return total & _MASK64
+
+
+def _kind(t: torch.Tensor) -> str:
+    "How a tensor is fingerprinted by default: where it lives ('h64': on a device) or by its bytes ('crc')."
+    local = t.to_local() if dist.is_dtensor(t) else t  # type: ignore[attr-defined]
+    return "h64" if local.device.type != "cpu" or os.environ.get(ENV) == "h64" else "crc"
+
+
+def fingerprints(tensors: dict, kinds: dict | None = None) -> dict:
+    """`{name: {crc | h64, shape, dtype}}` of `{name: tensor}`, each of the kind `kinds` names (a file's, to
+    compare with), by default of its place (`_kind`): a CPU tensor's CRC32C (one whose bytes are a file region
+    read before takes that read's CRC, `provenance`; the others are read on every core at once), a device
+    tensor's `h64`, computed on the device. A tensor under several names (tied weights) is read once. A
+    sharded model's DTensors (`_sharded`: collective, every rank calls it with the same names) get the whole
+    tensor's, as if it were not sharded, from each rank's part; one placed otherwise than FSDP's rows per rank,
+    or whole on every rank, gets none (it is held)."""
+    kinds = {k: (kinds or {}).get(k) or _kind(t) for k, t in tensors.items()}
     whole = {k: t for k, t in tensors.items() if not dist.is_dtensor(t)}
     key = lambda t: (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)  # noqa: E731
     first: dict = {}
     for k, t in whole.items():
-        first.setdefault(key(t), k)
-    cpu = [k for k in first.values() if whole[k].device.type == "cpu"]
+        first.setdefault((kinds[k], key(t)), k)
+    crc = [k for k in first.values() if kinds[k] == "crc"]
+    cpu = [k for k in crc if whole[k].device.type == "cpu"]
     read = lambda names: io.crc32c_many([_bytes(whole[k]) for k in names], _THREADS)  # noqa: E731
-    crcs = provenance.crcs({k: whole[k] for k in cpu}, read)  # a file's bytes, unwritten: known, not read
+    got = provenance.crcs({k: whole[k] for k in cpu}, read)  # a file's bytes, unwritten: known, not read
     for k in first.values():
-        if k not in crcs:
-            crcs[k] = io.crc32c_many([_bytes(whole[k])], _THREADS)[0]
-    out = {k: _fingerprint(t, crcs[first[key(t)]]) for k, t in whole.items()}
-    for k, crc in _sharded_crcs({k: t for k, t in tensors.items() if k not in whole}).items():
-        if crc is not None:  # (placed otherwise: no fingerprint, held)
-            out[k] = _fingerprint(tensors[k], crc)
+        if k not in got:
+            got[k] = io.crc32c_many([_bytes(whole[k])], _THREADS)[0] if kinds[k] == "crc" else h64(whole[k])
+    out = {k: _fingerprint(t, kinds[k], got[first[(kinds[k], key(t))]]) for k, t in whole.items()}
+    parted = {k: t for k, t in tensors.items() if k not in whole}
+    for k, v in _sharded(parted, kinds).items():
+        if v is not None:  # (placed otherwise: no fingerprint, held)
+            out[k] = _fingerprint(tensors[k], kinds[k], v)
     return {k: out[k] for k in tensors if k in out}
 
 
-def _sharded_crcs(tensors: dict) -> dict:
-    """The CRC32C of each DTensor's whole bytes (row-major, as the unsharded tensor's), from this rank's part:
+def _sharded(tensors: dict, kinds: dict) -> dict:
+    """Each DTensor's whole fingerprint (row-major bytes, as the unsharded tensor's) from this rank's part:
     under FSDP's placement (`Shard(0)` on a 1-D mesh) the ranks' parts are consecutive rows, so the whole
-    tensor's CRC is their CRCs combined in rank order (one exchange of two integers per tensor and rank); a
-    replicated one is whole here. None: placed otherwise (not fingerprinted). Collective when any is given."""
+    tensor's CRC32C is their CRCs combined in rank order, its `h64` their partial sums added (one exchange of
+    two integers per tensor and rank); a replicated one is whole here. None: placed otherwise (not
+    fingerprinted). Collective when any is given."""
     if not tensors:
         return {}
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     mine = []
-    for t in tensors.values():
-        kinds = [type(p).__name__ for p in t.placements]
-        how = "whole" if all(k == "Replicate" for k in kinds) else None
-        if t.device_mesh.ndim == 1 and kinds == ["Shard"] and t.placements[0].dim == 0:
+    for k, t in tensors.items():
+        names = [type(p).__name__ for p in t.placements]
+        how = "whole" if all(n == "Replicate" for n in names) else None
+        if t.device_mesh.ndim == 1 and names == ["Shard"] and t.placements[0].dim == 0:
             how = "rows"
         local = t.to_local()
-        crc = io.crc32c_many([_bytes(local)], _THREADS)[0] if how else 0
-        mine.append([how, crc, local.numel() * local.element_size()])
+        value = 0
+        if how is not None and kinds[k] == "crc":
+            value = io.crc32c_many([_bytes(local)], _THREADS)[0]
+        elif how is not None:
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            row = local[0].numel() if local.dim() and local.shape[0] else 0
+            words = max(1, local.element_size() // 8)
+            value = h64(local, first_word=int(offset[0]) * row * words if how == "rows" else 0)
+        mine.append([how, value, local.numel() * local.element_size()])
     rows = dist.exchange("the frozen tensors' fingerprints, every rank's part", mine)
     out: dict = {}
     for i, k in enumerate(tensors):
         how = mine[i][0]
-        if how == "rows":
-            crc = 0
+        if how == "rows" and kinds[k] == "crc":
+            v = 0
             for r in rows:
-                crc = io.crc32c_combine(crc, r[i][1], r[i][2])
-            out[k] = crc
+                v = io.crc32c_combine(v, r[i][1], r[i][2])
+            out[k] = v
+        elif how == "rows":
+            out[k] = sum(r[i][1] for r in rows) & _MASK64
         else:
             out[k] = mine[i][1] if how == "whole" else None
     return out
 
 
-def _fingerprint(t: torch.Tensor, crc: int) -> dict:
-    return {"crc": crc, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+def _fingerprint(t: torch.Tensor, kind: str, value: int) -> dict:
+    return {kind: value, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
 
 def _frozen_params(model) -> dict:
@@ -171,9 +220,10 @@ def split(learn, sd: dict, full: bool = False) -> tuple[dict, dict | None]:
     stage_base, script_base = sc.base or {}, sc.script_base or {}
     at = sc.stage.index if sc.stage is not None else len(sc.signatures)
     ends_kept = all(e is not None for e in sc.ends[:at])
+    kinds = {k: "crc" if "crc" in f else "h64" for k, f in stage_base.items()}  # (compared with those)
     refs = {
         k: f
-        for k, f in fingerprints(frozen).items()
+        for k, f in fingerprints(frozen, kinds).items()
         if stage_base.get(k) == f and (ends_kept or script_base.get(k) == f)
     }
     if not refs:
@@ -212,14 +262,16 @@ def validate(tree, path) -> None:
 
 
 def _check_ref(k, f, where: str) -> None:
-    "One frozen tensor's reference: its name, CRC32C, shape and dtype, of a size the format can hold."
+    "One frozen tensor's reference: name, fingerprint (CRC32C or h64), shape and dtype, of a size the format holds."
     need(
-        isinstance(k, str) and isinstance(f, dict) and set(f) == {"crc", "shape", "dtype"},
+        isinstance(k, str) and isinstance(f, dict) and set(f) in ({"crc", "shape", "dtype"}, {"h64", "shape", "dtype"}),
         where,
-        "expected a name and {crc, shape, dtype}",
+        "expected a name and {crc or h64, shape, dtype}",
     )
-    crc, shape, dtype = f["crc"], f["shape"], f["dtype"]
-    need(is_int(crc) and crc < 1 << 32, f"{where}.crc", f"expected a 32-bit checksum, got {crc!r:.40}")
+    kind = "crc" if "crc" in f else "h64"
+    v, shape, dtype = f[kind], f["shape"], f["dtype"]
+    bits = 32 if kind == "crc" else 64
+    need(is_int(v) and v < 1 << bits, f"{where}.{kind}", f"expected a {bits}-bit checksum, got {v!r:.40}")
     need(
         isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(is_int(n) and n < 1 << 63 for n in shape),
         f"{where}.shape",
@@ -264,9 +316,11 @@ def check(model, tree, path, defer: bool = False, known: dict | None = None) -> 
 
 
 def _now(sd: dict, refs: dict, known: dict | None) -> dict:
-    "The fingerprints of the state dict's referenced tensors (those in `known` not read again)."
-    known = {k: f for k, f in (known or {}).items() if k in refs}
-    return {**known, **fingerprints({k: sd[k] for k in refs if k in sd and k not in known})}
+    """The fingerprints of the state dict's referenced tensors, each of its reference's kind (those in `known`
+    of that kind not read again)."""
+    kinds = {k: "crc" if "crc" in f else "h64" for k, f in refs.items()}
+    known = {k: f for k, f in (known or {}).items() if k in refs and kinds[k] in f}
+    return {**known, **fingerprints({k: sd[k] for k in refs if k in sd and k not in known}, kinds)}
 
 
 def not_yet(model, tree, known: dict | None = None) -> list:
@@ -323,6 +377,8 @@ def _differs(path, name, want, got) -> str:
         else f"dtype {want['dtype']} in the file, {got['dtype']} here"
         if want["dtype"] != got["dtype"]
         else f"CRC32C {want['crc']:08x} in the file, {got['crc']:08x} here"
+        if "crc" in want
+        else f"fingerprint (h64) {want['h64']:016x} in the file, {got['h64']:016x} here"
     )
     return (
         f"{path}: the frozen tensor {name} is not the one this checkpoint was saved with ({what}): the learner "

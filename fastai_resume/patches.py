@@ -113,7 +113,7 @@ def save(self: Learner, file, with_iter=False, full=False, **kwargs):
         raise ValueError("save(with_iter=True) needs the optimizer state: drop with_opt=False")
     if not with_iter and paths.is_path(file) and dist.sharded(self.model):  # fastai's would pickle rank 0's part
         path = paths.with_ext(paths.resolve(self, file))  # a sharded checkpoint of the model, no position
-        store.save(self, path, lambda: checkpoint.model_tree(self, with_opt))
+        store.save(self, path, lambda: checkpoint.model_tree(self, with_opt, full))
         return path
     if not with_iter:
         if not paths.is_path(file):

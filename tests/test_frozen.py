@@ -265,3 +265,61 @@ def test_inspect_lists_the_references_verify_checks_the_bytes_held_and_convert_r
     bad = cli("convert", path, tmp_path / "m.pth")
     assert bad.returncode != 0 and "references 2 frozen tensors it does not hold" in bad.stderr
     assert "make_full" in bad.stderr and not (tmp_path / "m.pth").exists()
+
+
+# ---- the fingerprint computed where a tensor lives (h64: torch operations on its device) ---------------
+
+
+def _h64_by_hand(t) -> int:
+    "The definition, in Python integers: word i (the element's bits, signed) times an odd constant drawn from i."
+    from fastai_resume.frozen import _K1, _K2, _WORD
+
+    words = t.contiguous().reshape(-1).view(_WORD[min(t.element_size(), 8)] if t.dtype != torch.bool else torch.int8)
+    m, total = (1 << 64) - 1, 0
+    for i, w in enumerate(words.tolist()):
+        z = (i * _K1) & m
+        z = z - (1 << 64) if z >> 63 else z  # (as a signed 64-bit integer: the shift is arithmetic)
+        z = ((z ^ (z >> 31)) * _K2) & m
+        total += int(w) * (z | 1)
+    return total & m
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64, torch.complex128]
+)
+def test_h64_is_its_definition_adds_up_over_shards_and_sees_any_changed_word(dtype):
+    from fastai_resume.frozen import h64
+
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(7, 5, generator=g) * 10).to(dtype) if dtype != torch.complex128 else torch.randn(7, 5, dtype=dtype)
+    if dtype == torch.bool:
+        t = torch.rand(7, 5, generator=g) > 0.5
+    assert h64(t) == _h64_by_hand(t)  # (the files' fingerprints: any change of the definition fails here)
+    words = 5 * max(1, t.element_size() // 8)  # a row's words
+    for cut in (0, 3, 7):  # FSDP's rows per rank: the parts' sums, each from its first word, are the whole's
+        assert (h64(t[:cut]) + h64(t[cut:], first_word=cut * words)) % (1 << 64) == h64(t)
+    assert h64(t.t()) == h64(t.t().contiguous())  # (a view: its bytes in order)
+    flipped = t.clone()
+    flipped.view(-1).view(torch.uint8)[11] ^= 1  # one bit of one byte
+    assert h64(flipped) != h64(t)
+
+
+def test_a_checkpoint_fingerprinted_where_its_base_lives_loads_anywhere_and_refuses_another_base(tmp_path, monkeypatch):
+    "FASTAI_RESUME_FINGERPRINT=h64 takes the device's way on the CPU (no GPU here): the same code as on a GPU."
+    monkeypatch.setenv("FASTAI_RESUME_FINGERPRINT", "h64")
+    learn = trained(tmp_path)
+    tree = fr.load(learn.save("m", with_iter=True))
+    assert set(tree["frozen"]) == FROZEN and all(set(f) == {"h64", "shape", "dtype"} for f in tree["frozen"].values())
+    monkeypatch.delenv("FASTAI_RESUME_FINGERPRINT")  # a process whose base is on the CPU: CRC32Cs its own way
+    fresh = frozen_learner(tmp_path)
+    fresh.load("m")  # (its references' kind is computed)
+    assert equal(fresh.model.state_dict(), learn.model.state_dict())
+    other = frozen_learner(tmp_path)
+    other.model[0].weight.data[0, 0] += 1
+    with pytest.raises(fr.CheckpointError, match=r"0\.weight is not the one .*fingerprint \(h64\)"):
+        other.load("m")
+    assert set(fr.load(learn.save("again", with_iter=True))["frozen"]) == FROZEN  # (its stage's kind, whatever now)
+    crc_file = trained(tmp_path).save("c", with_iter=True)  # and the other way: CRC32C references, an h64 process
+    assert all(set(f) == {"crc", "shape", "dtype"} for f in fr.load(crc_file)["frozen"].values())
+    monkeypatch.setenv("FASTAI_RESUME_FINGERPRINT", "h64")
+    frozen_learner(tmp_path).load(crc_file)
