@@ -112,7 +112,7 @@ def worker(a):
             dcp_rank0 = sum(
                 os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.startswith("__0_")
             )
-            base = sum(p.numel() * p.element_size() for k, p in model.state_dict().items() if "lora_" not in k)
+            base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)  # (tied once)
             with open(a.out, "w") as f:
                 json.dump(
                     {

@@ -250,7 +250,8 @@ def cmd_inspect(a):
         )
         if not a.brief:
             for k, f in refs.items():
-                print(f"  {k:60s} {f['dtype']:16s} {str(f['shape']):20s} {sizes[k]:>12,} crc32c {f['crc']:08x}")
+                fp = f"crc32c {f['crc']:08x}" if "crc" in f else f"h64 {f['h64'] & (1 << 64) - 1:016x}"
+                print(f"  {k:60s} {f['dtype']:16s} {str(f['shape']):20s} {sizes[k]:>12,} {fp}")
     return status
 
 

@@ -37,6 +37,7 @@ and checks its base at each), collective like the save and the load.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -100,7 +101,13 @@ def h64(t: torch.Tensor, first_word: int = 0) -> int:
         z = i * _K1
         z = (z ^ (z >> 31)) * _K2
         total += int((part * (z | 1)).sum())
-    return total & _MASK64
+    return _signed(total)
+
+
+def _signed(v: int) -> int:
+    "A sum mod 2^64 as the signed 64-bit integer a file stores (the format's integers are int64)."
+    v &= _MASK64
+    return v - (1 << 64) if v >> 63 else v
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -152,7 +159,8 @@ def _sharded(tensors: dict, kinds: dict) -> dict:
     for k, t in tensors.items():
         names = [type(p).__name__ for p in t.placements]
         how = "whole" if all(n == "Replicate" for n in names) else None
-        if t.device_mesh.ndim == 1 and names == ["Shard"] and t.placements[0].dim == 0:
+        every_rank = t.device_mesh.mesh.flatten().tolist() == list(range(dist.world()))  # (in rank order)
+        if t.device_mesh.ndim == 1 and names == ["Shard"] and t.placements[0].dim == 0 and every_rank:
             how = "rows"
         local = t.to_local()
         value = 0
@@ -164,7 +172,11 @@ def _sharded(tensors: dict, kinds: dict) -> dict:
             words = max(1, local.element_size() // 8)
             value = h64(local, first_word=int(offset[0]) * row * words if how == "rows" else 0)
         mine.append([how, value, local.numel() * local.element_size()])
-    rows = dist.exchange("the frozen tensors' fingerprints, every rank's part", mine)
+    agreed = hashlib.sha1("\n".join(tensors).encode()).hexdigest()[:16]
+    said = dist.exchange("the frozen tensors' fingerprints, every rank's part", [agreed, mine])
+    if any(s[0] != agreed for s in said):  # (the same tensors, in the same order, on every rank)
+        raise CheckpointError("the ranks fingerprint different frozen tensors: their models differ")
+    rows = [s[1] for s in said]
     out: dict = {}
     for i, k in enumerate(tensors):
         how = mine[i][0]
@@ -174,7 +186,7 @@ def _sharded(tensors: dict, kinds: dict) -> dict:
                 v = io.crc32c_combine(v, r[i][1], r[i][2])
             out[k] = v
         elif how == "rows":
-            out[k] = sum(r[i][1] for r in rows) & _MASK64
+            out[k] = _signed(sum(r[i][1] for r in rows))
         else:
             out[k] = mine[i][1] if how == "whole" else None
     return out
@@ -270,8 +282,8 @@ def _check_ref(k, f, where: str) -> None:
     )
     kind = "crc" if "crc" in f else "h64"
     v, shape, dtype = f[kind], f["shape"], f["dtype"]
-    bits = 32 if kind == "crc" else 64
-    need(is_int(v) and v < 1 << bits, f"{where}.{kind}", f"expected a {bits}-bit checksum, got {v!r:.40}")
+    lo, hi, what = (0, 1 << 32, "a 32-bit checksum") if kind == "crc" else (-(1 << 63), 1 << 63, "a 64-bit fingerprint")
+    need(is_int(v, lo) and v < hi, f"{where}.{kind}", f"expected {what}, got {v!r:.40}")
     need(
         isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(is_int(n) and n < 1 << 63 for n in shape),
         f"{where}.shape",
@@ -326,7 +338,7 @@ def _now(sd: dict, refs: dict, known: dict | None) -> dict:
 def not_yet(model, tree, known: dict | None = None) -> list:
     "The referenced tensors `model` does not hold yet (their names), `known` as in `check`."
     refs = tree.get("frozen") or {}
-    if not refs or dist.sharded(model):
+    if not refs:
         return []
     now = _now(model.state_dict(), refs, known)
     return [k for k, want in refs.items() if now.get(k) != want]
@@ -378,7 +390,7 @@ def _differs(path, name, want, got) -> str:
         if want["dtype"] != got["dtype"]
         else f"CRC32C {want['crc']:08x} in the file, {got['crc']:08x} here"
         if "crc" in want
-        else f"fingerprint (h64) {want['h64']:016x} in the file, {got['h64']:016x} here"
+        else f"fingerprint (h64) {want['h64'] & _MASK64:016x} in the file, {got['h64'] & _MASK64:016x} here"
     )
     return (
         f"{path}: the frozen tensor {name} is not the one this checkpoint was saved with ({what}): the learner "

@@ -247,13 +247,14 @@ def verify(path) -> None:
 
 def make_full(learn, src, dst) -> Path:
     """Write `dst`, the self-contained twin of the checkpoint `src`: the frozen tensors it references taken
-    from `learn`'s model once they are checked to be those (everything else as `src` holds it). Laid out as
-    `learn`'s model is (`save`): a sharded learner's ranks (every rank calls it) write a sharded checkpoint,
+    from `learn`'s model once they are checked to be those (everything else as `src` holds it). A file, written
+    by the process that calls it; a sharded learner's ranks (every rank calls it) write a sharded checkpoint,
     each its part of every tensor."""
     from fastai.torch_core import get_model
 
     src, dst = Path(src), Path(dst)
-    if getattr(learn, "opt", None) is None:
+    sharded_model = dist.sharded(learn.model)
+    if sharded_model and getattr(learn, "opt", None) is None:
         learn.create_opt()  # (a sharded checkpoint's optimizer state is read into its parameters' placement)
     tree = read(src, learn)
     model = get_model(learn.model)
@@ -262,5 +263,8 @@ def make_full(learn, src, dst) -> Path:
     sd, held, refs = model.state_dict(), tree["model"], tree.pop("frozen", None) or {}
     own = lambda t: t.detach() if dist.is_dtensor(t) else t.detach().cpu()  # noqa: E731
     tree["model"] = {k: held[k] if k in held else own(sd[k]) for k in sd if k in held or k in refs}
-    save(learn, dst, lambda: tree)
+    if sharded_model:
+        save(learn, dst, lambda: tree)
+    else:
+        io.save(tree, dst)  # (this process's file, as `fastai_resume.save` writes one: nothing collective)
     return dst

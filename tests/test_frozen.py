@@ -294,10 +294,12 @@ def test_h64_is_its_definition_adds_up_over_shards_and_sees_any_changed_word(dty
     t = (torch.randn(7, 5, generator=g) * 10).to(dtype) if dtype != torch.complex128 else torch.randn(7, 5, dtype=dtype)
     if dtype == torch.bool:
         t = torch.rand(7, 5, generator=g) > 0.5
-    assert h64(t) == _h64_by_hand(t)  # (the files' fingerprints: any change of the definition fails here)
+    m = (1 << 64) - 1
+    assert h64(t) & m == _h64_by_hand(t)  # (the files' fingerprints: any change of the definition fails here)
+    assert -(1 << 63) <= h64(t) < 1 << 63  # (stored as the format's signed 64-bit integer)
     words = 5 * max(1, t.element_size() // 8)  # a row's words
     for cut in (0, 3, 7):  # FSDP's rows per rank: the parts' sums, each from its first word, are the whole's
-        assert (h64(t[:cut]) + h64(t[cut:], first_word=cut * words)) % (1 << 64) == h64(t)
+        assert (h64(t[:cut]) + h64(t[cut:], first_word=cut * words)) & m == h64(t) & m
     assert h64(t.t()) == h64(t.t().contiguous())  # (a view: its bytes in order)
     flipped = t.clone()
     flipped.view(-1).view(torch.uint8)[11] ^= 1  # one bit of one byte
@@ -323,3 +325,16 @@ def test_a_checkpoint_fingerprinted_where_its_base_lives_loads_anywhere_and_refu
     assert all(set(f) == {"crc", "shape", "dtype"} for f in fr.load(crc_file)["frozen"].values())
     monkeypatch.setenv("FASTAI_RESUME_FINGERPRINT", "h64")
     frozen_learner(tmp_path).load(crc_file)
+
+
+def test_h64_fingerprints_of_either_sign_are_stored_and_validated(tmp_path):
+    "Half of all sums mod 2^64 are 2^63 or more: stored as the format's signed integers, each one validated."
+    from fastai_resume.frozen import fingerprints, validate
+
+    g = torch.Generator().manual_seed(0)
+    got = fingerprints({f"t{i}": torch.randn(5, generator=g) for i in range(16)}, {f"t{i}": "h64" for i in range(16)})
+    assert {v["h64"] < 0 for v in got.values()} == {True, False}
+    fr.save({"model": {}, "frozen": got}, tmp_path / "f.frk")
+    tree = fr.load(tmp_path / "f.frk")
+    validate(tree, "f.frk")
+    assert tree["frozen"] == got
