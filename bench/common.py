@@ -79,3 +79,31 @@ def write(name: str, payload: dict, path=None) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
+
+
+class RankTimes:
+    """The contenders' times on this rank of a torch.distributed job, every rank starting each one together (a
+    barrier first); `slowest()`: per contender and round, the slowest rank's time (what the job waits for)."""
+
+    def __init__(self, keys):
+        self.times: dict = {k: [] for k in keys}
+
+    def timed(self, key, f):
+        import time
+
+        import torch.distributed as D
+
+        D.barrier()
+        t0 = time.perf_counter()
+        f()
+        self.times[key].append(time.perf_counter() - t0)
+
+    def slowest(self) -> dict:
+        "On every rank: {contender: [the slowest rank's seconds, per round]} (a collective)."
+        from fastai_resume import dist
+
+        keys = sorted(self.times)
+        rounds = len(self.times[keys[0]])
+        mine = [int(x * 1e9) for k in keys for x in self.times[k]]
+        every = dist.all_gather_ints("bench: times", mine)
+        return {k: [max(r[i * rounds + j] for r in every) / 1e9 for j in range(rounds)] for i, k in enumerate(keys)}

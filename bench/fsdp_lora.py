@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -59,7 +58,6 @@ def worker(a):
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     import fastai_resume as fr
-    from fastai_resume import dist
 
     os.chdir(a.dir)
     model = AutoModelForCausalLM.from_pretrained(a.base)
@@ -81,15 +79,9 @@ def worker(a):
             k: v for k, v in learn.model.state_dict().items() if "lora_" in k
         }
         share = _bytes(trainable()) + _bytes(learn.opt.state_dict()["state"])
-        times: dict = {k: [] for k in ("ours", "ours_full", "dcp")}
+        clock = common.RankTimes(("ours", "ours_full", "dcp"))
+        timed = clock.timed
         folder = os.path.join(a.dir, "dcp")
-
-        def timed(key, f):
-            D.barrier()
-            t0 = time.perf_counter()
-            f()
-            times[key].append(time.perf_counter() - t0)
-
         for _ in range(a.rounds):
             timed("ours", lambda: learn.save("delta"))
             timed("ours_full", lambda: learn.save("full", full=True))
@@ -97,13 +89,8 @@ def worker(a):
                 shutil.rmtree(folder, ignore_errors=True)
             D.barrier()  # (the removal is not timed)
             timed("dcp", lambda: dcp.save({"model": trainable(), "opt": learn.opt.state_dict()}, checkpoint_id=folder))
-        mine = [int(x * 1e9) for k in sorted(times) for x in times[k]]
-        every = dist.all_gather_ints("bench: times", mine)
+        slowest = clock.slowest()
         if rank == 0:
-            keys = sorted(times)
-            slowest = {
-                k: [max(r[i * a.rounds + j] for r in every) / 1e9 for j in range(a.rounds)] for i, k in enumerate(keys)
-            }
 
             def rank0_file(name):
                 d = os.path.join(a.dir, "models", f"{name}.frk")

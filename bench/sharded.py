@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -39,7 +38,6 @@ def worker(a):
     from torch import nn
 
     import fastai_resume as fr
-    from fastai_resume import dist
 
     D.init_process_group("gloo")
     world, rank = D.get_world_size(), D.get_rank()
@@ -54,14 +52,9 @@ def worker(a):
         learn.model(xs).square().mean().backward()  # Adam's state exists once it has stepped
         learn.opt.step()
         learn.opt.zero_grad()
-        times: dict = {k: [] for k in ("ours_save", "ours_load", "dcp_save", "dcp_load")}
+        clock = common.RankTimes(("ours_save", "ours_load", "dcp_save", "dcp_load"))
+        timed = clock.timed
         folder = os.path.join(a.dir, "dcp")
-
-        def timed(key, f):
-            D.barrier()
-            t0 = time.perf_counter()
-            f()
-            times[key].append(time.perf_counter() - t0)
 
         def dcp_save():
             if rank == 0:
@@ -85,13 +78,8 @@ def worker(a):
             timed("ours_load", lambda: learn.load("bench"))
             dcp_save()
             timed("dcp_load", dcp_load)
-        mine = [int(x * 1e9) for k in sorted(times) for x in times[k]]
-        every = dist.all_gather_ints("bench: times", mine)  # each rank's times: the job waits for the slowest
+        slowest = clock.slowest()  # each rank's times: the job waits for the slowest
         if rank == 0:
-            keys = sorted(times)
-            slowest = {
-                k: [max(r[i * a.rounds + j] for r in every) / 1e9 for j in range(a.rounds)] for i, k in enumerate(keys)
-            }
             per_rank = os.path.getsize(
                 os.path.join(
                     a.dir,
