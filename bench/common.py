@@ -107,3 +107,17 @@ class RankTimes:
         mine = [int(x * 1e9) for k in keys for x in self.times[k]]
         every = dist.all_gather_ints("bench: times", mine)
         return {k: [max(r[i * rounds + j] for r in every) / 1e9 for j in range(rounds)] for i, k in enumerate(keys)}
+
+
+def torchrun_worker(script: str, n: int, args: list, out: str) -> dict:
+    """`script --worker ARGS` as an `n`-process torchrun job (one thread each, warnings off); the JSON it wrote
+    to `out`. A failed job ends the benchmark with its output."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), script]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    p = subprocess.run(cmd + ["--worker", "--out", out, *args], capture_output=True, text=True, env=env)
+    if p.returncode:
+        sys.exit(p.stdout[-3000:] + p.stderr[-5000:])
+    with open(out) as f:
+        return json.load(f)

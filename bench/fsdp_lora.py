@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -133,15 +132,8 @@ def main():
         machine = common.machine(d)
         base = os.path.join(d, "base")
         GPT2LMHeadModel(GPT2Config(n_layer=a.layers, n_embd=a.width, n_head=8)).save_pretrained(base)
-        out = os.path.join(d, "res.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-        cmd += ["--worker", "--out", out, "--dir", d, "--base", base, "--rounds", str(a.rounds)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if p.returncode:
-            sys.exit(p.stdout[-3000:] + p.stderr[-5000:])
-        with open(out) as f:
-            res = json.load(f)
+        args = ["--dir", d, "--base", base, "--rounds", str(a.rounds)]
+        res = common.torchrun_worker(__file__, 2, args, os.path.join(d, "res.json"))
     finally:
         shutil.rmtree(d, ignore_errors=True)
     payload = {

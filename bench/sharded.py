@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -94,34 +93,8 @@ def worker(a):
 
 def run(a, world, share):
     d = tempfile.mkdtemp(prefix="frk-sharded-", dir=a.dir)
-    out = os.path.join(d, "res.json")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(world),
-        __file__,
-        "--worker",
-        "--out",
-        out,
-        "--dir",
-        d,
-        "--rounds",
-        str(a.rounds),
-        "--width",
-        str(a.width),
-        "--layers",
-        str(a.layers),
-    ]
-    cmd += ["--share"] if share else []
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode:
-        sys.exit(p.stdout[-3000:] + p.stderr[-5000:])
-    with open(out) as f:
-        res = json.load(f)
+    args = ["--dir", d, "--rounds", str(a.rounds), "--width", str(a.width), "--layers", str(a.layers)]
+    res = common.torchrun_worker(__file__, world, args + (["--share"] if share else []), os.path.join(d, "res.json"))
     shutil.rmtree(d, ignore_errors=True)
     return res
 
