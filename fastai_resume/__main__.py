@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import checkpoint, dcp, io, objstore, pth, shardfiles, stored
+from . import checkpoint, dcp, frozen, io, objstore, pth, shardfiles, stored
 from .check import check
 from .io import CheckpointError
 from .paths import MANIFEST
@@ -250,7 +250,8 @@ def cmd_inspect(a):
         )
         if not a.brief:
             for k, f in refs.items():
-                fp = f"crc32c {f['crc']:08x}" if "crc" in f else f"h64 {f['h64'] & (1 << 64) - 1:016x}"
+                kind = frozen.kind_of(f)
+                fp = f"crc32c {f['crc']:08x}" if kind == "crc" else f"h64 {f['h64'] & (1 << 64) - 1:016x}"
                 print(f"  {k:60s} {f['dtype']:16s} {str(f['shape']):20s} {sizes[k]:>12,} {fp}")
     return status
 

@@ -114,7 +114,7 @@ def kind(tree) -> str:
     "'end' (a stage's end state), 'checkpoint' (a position to resume), 'model' (model and optimizer) or 'other'."
     if not isinstance(tree, dict):
         return "other"
-    return "end" if "end" in tree else "checkpoint" if tree.get("train") is not None else "model"
+    return "end" if "end" in tree else "checkpoint" if training(tree) is not None else "model"
 
 
 def slot(path) -> tuple | None:
@@ -140,7 +140,7 @@ def tensor_slots(tree):
         if isinstance(st, dict):
             for k, v in list(st.items()):
                 yield ("opt", "state", i, k), v
-    for i, g in enumerate((tree.get("train") or {}).get("grads") or []):
+    for i, g in enumerate((training(tree) or {}).get("grads") or []):
         yield ("train", "grads", i), g
 
 

@@ -49,6 +49,8 @@ from .script import script
 
 __all__ = [
     "fingerprints",
+    "h64",
+    "kind_of",
     "stage_began",
     "split",
     "validate",
@@ -196,6 +198,11 @@ def _fingerprint(t: torch.Tensor, kind: str, value: int) -> dict:
     return {kind: value, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
 
 
+def kind_of(f: dict) -> str:
+    "A fingerprint's kind: 'crc' (CRC32C) or 'h64'."
+    return "crc" if "crc" in f else "h64"
+
+
 def _frozen_params(model) -> dict:
     "The frozen parameters by their state-dict names (a tied one under each of its names)."
     return {k: p for k, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad and _materialized(p)}
@@ -232,7 +239,7 @@ def split(learn, sd: dict, full: bool = False) -> tuple[dict, dict | None]:
     stage_base, script_base = sc.base or {}, sc.script_base or {}
     at = sc.stage.index if sc.stage is not None else len(sc.signatures)
     ends_kept = all(e is not None for e in sc.ends[:at])
-    kinds = {k: "crc" if "crc" in f else "h64" for k, f in stage_base.items()}  # (compared with those)
+    kinds = {k: kind_of(f) for k, f in stage_base.items()}  # (compared with those)
     refs = {
         k: f
         for k, f in fingerprints(frozen, kinds).items()
@@ -280,7 +287,7 @@ def _check_ref(k, f, where: str) -> None:
         where,
         "expected a name and {crc or h64, shape, dtype}",
     )
-    kind = "crc" if "crc" in f else "h64"
+    kind = kind_of(f)
     v, shape, dtype = f[kind], f["shape"], f["dtype"]
     lo, hi, what = (0, 1 << 32, "a 32-bit checksum") if kind == "crc" else (-(1 << 63), 1 << 63, "a 64-bit fingerprint")
     need(is_int(v, lo) and v < hi, f"{where}.{kind}", f"expected {what}, got {v!r:.40}")
@@ -330,7 +337,7 @@ def check(model, tree, path, defer: bool = False, known: dict | None = None) -> 
 def _now(sd: dict, refs: dict, known: dict | None) -> dict:
     """The fingerprints of the state dict's referenced tensors, each of its reference's kind (those in `known`
     of that kind not read again)."""
-    kinds = {k: "crc" if "crc" in f else "h64" for k, f in refs.items()}
+    kinds = {k: kind_of(f) for k, f in refs.items()}
     known = {k: f for k, f in (known or {}).items() if k in refs and kinds[k] in f}
     return {**known, **fingerprints({k: sd[k] for k in refs if k in sd and k not in known}, kinds)}
 
@@ -389,7 +396,7 @@ def _differs(path, name, want, got) -> str:
         else f"dtype {want['dtype']} in the file, {got['dtype']} here"
         if want["dtype"] != got["dtype"]
         else f"CRC32C {want['crc']:08x} in the file, {got['crc']:08x} here"
-        if "crc" in want
+        if kind_of(want) == "crc"
         else f"fingerprint (h64) {want['h64'] & _MASK64:016x} in the file, {got['h64'] & _MASK64:016x} here"
     )
     return (
