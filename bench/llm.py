@@ -18,6 +18,12 @@ its moments. Then, at one batch boundary inside the fit, interleaved in each rou
   through `torch.save`, `trainer_state.json` (no fsync: the Trainer makes none);
 - `trainer + fsync`: the same files, each fsynced (what a durable save adds).
 
+Then the same learner with its base a bf16 copy (`.to(torch.bfloat16)`: anonymous memory, not the file's
+pages), as a user fine-tunes in bf16: `bf16 ours` (the base proven unwritten by the kernel's write protection,
+`fastai_resume.unwritten`: read once, not at each save), `bf16 ours, read` (the same with that off: the pass
+reads every frozen byte at each save, as before), `bf16 trainer`, `bf16 trainer + fsync`, and the fingerprints
+alone both ways (`bf16 fingerprints`, `bf16 pass`). The issue's target: `bf16 ours` at most 2x `bf16 trainer`.
+
 Also: the fingerprints alone, both ways (`fingerprints`, `pass`); what a background snapshot holds in
 memory (the tensors of the tree it copies), delta against full; and what a resume adds, in a new
 process per round as a rerun meets it (`probe`: the base just loaded by `from_pretrained`), against
@@ -88,10 +94,10 @@ def tensor_bytes(tree) -> int:
     return 0
 
 
-def learner(base_dir, work, bs=2, seq_len=32, n_batches=4, valid_batches=None):
+def learner(base_dir, work, bs=2, seq_len=32, n_batches=4, valid_batches=None, dtype=None):
     """The tutorial's learner on the base as a user's script builds it: `from_pretrained`, LoRA, `Learner`;
     `n_batches` training batches of `bs` x `seq_len` random tokens, validated on the first `valid_batches`
-    (all of them by default)."""
+    (all of them by default). `dtype`: the base copied to it first (`model.to(dtype)`)."""
     import fastai.callback.progress  # noqa: F401  (Learner.no_bar)
     import torch
     from fastai.callback.core import Callback
@@ -103,11 +109,13 @@ def learner(base_dir, work, bs=2, seq_len=32, n_batches=4, valid_batches=None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir)
+    if dtype is not None:
+        model = model.to(dtype)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], task_type="CAUSAL_LM"))
 
     class DropOutput(Callback):
         def after_pred(self):
-            self.learn.pred = self.pred[0]
+            self.learn.pred = self.pred[0].float()  # (a bf16 model's logits: the loss in float, as AMP computes it)
 
     toks = torch.randint(0, model.config.vocab_size, (bs * seq_len * n_batches + 1,))
     valid = toks if valid_batches is None else toks[: bs * seq_len * valid_batches + 1]
@@ -174,11 +182,16 @@ def main():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import fastai_resume as fr
-    from fastai_resume import checkpoint, frozen, provenance
+    from fastai_resume import checkpoint, frozen, provenance, unwritten
 
     def unmapped(run):
         "`run` as where the frozen weights are not a file's pages (a copy, a GPU): the pass reads every byte."
         with mock.patch.object(provenance, "keys", lambda tensors: {}):
+            return run()
+
+    def untracked(run):
+        "`run` without the kernel's write protection (`unwritten`): every byte that is not a file's is read."
+        with mock.patch.object(unwritten, "crcs", lambda tensors, read: dict(zip(tensors, read(list(tensors))))):
             return run()
 
     work = tempfile.mkdtemp(prefix="frk-llm-", dir=a.dir or os.path.join(HERE, ".."))
@@ -194,6 +207,8 @@ def main():
             os.close(fd)
         learn = learner(base_dir, work)
         names = ("ours", "ours unmapped", "ours full", "trainer", "trainer + fsync", "fingerprints", "pass")
+        names += ("bf16 ours", "bf16 ours, read", "bf16 trainer", "bf16 trainer + fsync", "bf16 fingerprints")
+        names += ("bf16 pass",)
         times: dict = {k: [] for k in names}
         sizes: dict = {}
         snap: dict = {}
@@ -201,25 +216,48 @@ def main():
         class Measure(Callback):
             order = 100
 
+            def __init__(self, bf16=False):
+                self.bf16 = bf16
+
             def after_batch(self):
                 if not self.training or self.iter + 1 < self.n_iter:
                     return
                 learn = self.learn
                 held = {k: p for k, p in learn.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-                for r in range(a.rounds):
+                trainer = lambda d, fsync: lambda: trainer_files(learn, os.path.join(work, d), fsync)  # noqa: E731
+                if self.bf16:
+                    contenders = [
+                        ("bf16 ours", lambda: learn.save("ours-b", with_iter=True)),
+                        ("bf16 ours, read", lambda: untracked(lambda: learn.save("ours-br", with_iter=True))),
+                        ("bf16 trainer", trainer("trainer-b", False)),
+                        ("bf16 trainer + fsync", trainer("trainer-bs", True)),
+                        ("bf16 fingerprints", lambda: frozen.fingerprints(held)),
+                        ("bf16 pass", lambda: untracked(lambda: frozen.fingerprints(held))),
+                    ]
+                else:
                     contenders = [
                         ("ours", lambda: learn.save("ours", with_iter=True)),
                         ("ours unmapped", lambda: unmapped(lambda: learn.save("ours-u", with_iter=True))),
                         ("ours full", lambda: learn.save("full", with_iter=True, full=True)),
-                        ("trainer", lambda: trainer_files(learn, os.path.join(work, "trainer"), False)),
-                        ("trainer + fsync", lambda: trainer_files(learn, os.path.join(work, "trainer-s"), True)),
+                        ("trainer", trainer("trainer", False)),
+                        ("trainer + fsync", trainer("trainer-s", True)),
                         ("fingerprints", lambda: frozen.fingerprints(held)),
                         ("pass", lambda: unmapped(lambda: frozen.fingerprints(held))),
                     ]
+                for r in range(a.rounds):
                     for name, run in contenders[r % len(contenders) :] + contenders[: r % len(contenders)]:
                         t = time.perf_counter()
                         run()
                         times[name].append(time.perf_counter() - t)
+                if self.bf16:
+                    models = learn.path / learn.model_dir
+                    sizes["bf16 ours"] = os.path.getsize(models / f"ours-b{fr.EXT}")
+                    sizes["bf16 trainer"] = folder_bytes(os.path.join(work, "trainer-b"))
+                    sizes["bf16 base"] = sum(
+                        p.numel() * p.element_size() for p in learn.model.parameters() if not p.requires_grad
+                    )
+                    sizes["bf16 tracking"] = unwritten.available()
+                    return
                 models = learn.path / learn.model_dir
                 sizes["ours"] = os.path.getsize(models / f"ours{fr.EXT}")
                 sizes["ours full"] = os.path.getsize(models / f"full{fr.EXT}")
@@ -232,6 +270,11 @@ def main():
 
         with learn.no_bar(), learn.no_logging():
             learn.fit(1, 1e-3, cbs=Measure())
+        import torch
+
+        copy = learner(base_dir, work, dtype=torch.bfloat16)  # (a new learner: its own models' files)
+        with copy.no_bar(), copy.no_logging():
+            copy.fit(1, 1e-3, cbs=Measure(bf16=True))
         probes = []
         for _ in range(a.rounds):  # each a new process, as a rerun is
             run = subprocess.run([sys.executable, __file__, "--probe", work], capture_output=True, text=True)

@@ -420,6 +420,21 @@ def llm(res) -> str:
         f"{x(t['ours unmapped'], t['trainer'])} the Trainer's. The full file is {b['ours full'] / b['ours']:,.0f}x "
         "the delta's bytes.",
         "",
+    ]
+    if "bf16 ours" in t:  # the same learner, its base a bf16 copy: anonymous memory, proven by write protection
+        bt = _ratio(t["bf16 ours"], t["bf16 trainer"])
+        out += [
+            f"The base a bf16 copy (`model.to(torch.bfloat16)`, {mb(b['bf16 base'])}: not the file's pages), as a "
+            f"bf16 fine-tune holds it: ours {ms(t['bf16 ours'])} against the Trainer's {ms(t['bf16 trainer'])} "
+            f"({ms(t['bf16 trainer + fsync'])} fsynced), {_mm(bt, fmt='{:.2f}x')} (target at most 2x: "
+            f"{met(bt['median'] <= 2)}); {mb(b['bf16 ours'])} against {mb(b['bf16 trainer'])}. Its fingerprints "
+            f"take {ms(t['bf16 fingerprints'])}: the kernel says no page of the base was written since it was "
+            f"read (write protection, `unwritten`{'' if b.get('bf16 tracking') else ': not available here'}), "
+            f"where reading it takes {ms(t['bf16 pass'])}; with that off, the save takes "
+            f"{ms(t['bf16 ours, read'])}, {x(t['bf16 ours, read'], t['bf16 trainer'])} the Trainer's.",
+            "",
+        ]
+    out += [
         f"What a resume adds, in a new process each round (the base just loaded; ratios paired by process), "
         f"against {ms(load)} for the "
         f"base's `from_pretrained` load (target at most 10%): with AutoCheckpoint, the fingerprints its stage "

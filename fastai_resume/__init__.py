@@ -10,6 +10,7 @@ imports too), and only io imports the C core.
     _core (csrc/), io.py   the checkpoint format (pickle-free, verified, atomic); the walk of a value tree
     fields.py              the validation kit: checks of a file's values that name the field they refuse
     provenance.py          which tensors' bytes are a file's, unwritten; the CRC32Cs of file regions read
+    unwritten.py           which tensors' bytes nothing wrote since they were read (userfaultfd's write protection)
     pth.py                 a torch.save file (a vanilla fastai .pth) read without running code from it
     _hooks.py              code run when a module is imported (the patches wait for fastai's)
     paths.py               where a name's file is

@@ -459,13 +459,16 @@ def _remote_scan(url: str):
         entries = fs.ls(root, detail=True)
     except FileNotFoundError:
         raise FileNotFoundError(None, f"{url}: no such remote folder") from None
-    names = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") != "directory")
-    have = set(names)
+    names = sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries)
+    have = set(names)  # (a sharded checkpoint is a folder there: its marker names each rank's file)
+    folders = {posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory"}
     for n in names:
         if n.endswith(objstore.MARKER) and n[: -len(objstore.MARKER)] in have:
             yield n, f"the marker of {n[: -len(objstore.MARKER)]} (its upload is complete)"
-        elif n.endswith(objstore.CORRUPT):
+        elif n.endswith(objstore.CORRUPT) or n + objstore.CORRUPT in have:
             yield n, "set aside as corrupt by autoresume (the marker of a copy that did not verify)"
+        elif n in folders and n + objstore.MARKER not in have and not re.search("-" + stored.AUTO_NAME, n):
+            yield n, "a folder without a marker: not a checkpoint"
         elif n.startswith(".") and n.endswith(".lock"):
             yield n, "a run's lock (the process mirroring it)"
         elif n.endswith(io.EXT) and n + objstore.MARKER not in have and re.search("-" + stored.AUTO_NAME, n):

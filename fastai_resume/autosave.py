@@ -269,13 +269,6 @@ class AutoCheckpoint(Callback):
         self.saves.check_inflight(self.files, block, last)
 
 
-_SHARDED_REMOTE = (
-    "AutoCheckpoint(remote=...) mirrors checkpoints that are one file; a sharded (FSDP2) fit's are a folder of "
-    "one file per rank, which it does not upload: nothing was trained. Keep a sharded fit's checkpoints in a "
-    "folder every node shares (or on each node's disk, every rank placed on the node of its file), without remote="
-)
-
-
 class Saves:
     """The saves of one AutoCheckpoint: synchronous, or in the background with at most one in flight
     (copied at the batch boundary into the previous save's buffers, written by a thread with the GIL
@@ -416,7 +409,7 @@ class Saves:
         ever after a commit, and at autoresume: the newest `keep` of this run stay)."""
         self.saved.append(path)
         if self.mirror is not None:
-            self.mirror.committed(path)
+            self.mirror.committed(path, every_rank)
         if files is not None:
             _retain(files, every_rank)
 
@@ -442,25 +435,35 @@ def _resume_point(cb: AutoCheckpoint, run: AutosaveRun, wanted: bool) -> Path | 
     """The checkpoint a stage's start resumes from (None: none, or not `wanted`) and the run's attempt
     (`run.attempt`), the same on every rank. Rank 0 alone touches the folder (the lock, dead temps, the
     remote's lease, the choice) and tells the others, or every rank raises; where a sharded fit's nodes each
-    write to a disk of their own, every rank takes part in the choice (`RunFolder.latest_valid_together`)."""
+    write to a disk of their own, every rank takes part in the choice (`RunFolder.latest_valid_together`). A
+    sharded fit's remote: every rank uploads its own files (`remote.Parts`), and every rank downloads what its
+    disk lacks of a newer checkpoint there before the choice (`remote.resume_sharded`)."""
     files, learn = cb.files, cb.learn
     assert files is not None
     wanted = wanted and script(learn).armed is None
+    together = dist.active() and dist.sharded(learn.model)  # every rank writes a file of each save
 
-    def in_folder():
-        p = choose = None
-        files.lock.take()
-        files.remove_dead_temps()
-        if cb.remote is not None and cb._mirror is None:  # the remote's lease, checked before any training
+    def mirror():
+        if cb.remote is not None and cb._mirror is None:  # rank 0: the remote's lease, checked before any training
             cb._mirror = cb.saves.mirror = _remote.mirror_for(
                 cb.remote, cb.remote_options, cb.folder, cb.fname, files.run_id, cb.keep, cb.remote_wait
             )
+
+    def open_folder():
+        files.lock.take()
+        files.remove_dead_temps()
+        mirror()
+
+    def in_folder():
+        p = choose = None
+        if not together or cb.remote is None:
+            open_folder()
         if wanted:
             if files.node_local():  # chosen by every rank below, each checking the files its node's disk holds
                 choose = [p.name for p in reversed(files.checkpoints())]
             else:
                 p = files.latest_valid()
-                if cb._mirror is not None:  # a newer checkpoint on the remote (a new machine: none here)
+                if cb._mirror is not None and not together:  # a newer one on the remote (a new machine: none here)
                     p = cb._mirror.resume_point(p)
                 if p is not None:
                     _retain(files)  # a run killed between a commit and its retention
@@ -470,10 +473,15 @@ def _resume_point(cb: AutoCheckpoint, run: AutosaveRun, wanted: bool) -> Path | 
             run.attempt = files.attempt_of(p) if p is not None else last + 1
         return p, choose
 
-    together = dist.active() and dist.sharded(learn.model)  # every rank writes a file of each save
-    if together and cb.remote is not None:
-        raise CheckpointError(_SHARDED_REMOTE)
     files.near = dist.sees_rank0("AutoCheckpoint: the ranks on rank 0's disk", cb.folder) if together else None
+    if together and cb.remote is not None:
+        dist.together("AutoCheckpoint: its folder and remote", lambda: open_folder() if dist.rank() == 0 else None)
+        if dist.rank() != 0:
+            mirror()  # (this rank's uploads: after rank 0 has the lease)
+        if wanted:
+            newest = [p.name for p in files.checkpoints()][-1:] if dist.rank() == 0 else []
+            assert cb._mirror is not None
+            _remote.resume_sharded(cb._mirror.run, newest[0] if newest else None)
     p, choose = dist.together("AutoCheckpoint: its folder", lambda: in_folder() if dist.rank() == 0 else (None, None))
     choose = dist.exchange("AutoCheckpoint: this run's checkpoints", choose)[0] if files.node_local() else None
     if choose is not None:

@@ -17,8 +17,10 @@ states still builds that). Anything else is held in full: a frozen tensor change
 an EMA written into the base, a callback writing `.data`, fastai's optimizer stepping a once-trained
 frozen parameter that still has a zero gradient), or one an earlier stage trained. Each save
 fingerprints the frozen parameters again: the CRC32C of a tensor whose pages are still those of a file
-it was mapped from (`transformers`' `from_pretrained`) is the one read before (`provenance`), the rest
-are read (one pass, the hardware instruction on every core; `bench/llm.py` measures both).
+it was mapped from (`transformers`' `from_pretrained`) is the one read before (`provenance`), as is that
+of a copy in the process's memory none of whose pages the kernel saw written since it was read
+(`unwritten`); the rest are read (one pass, the hardware instruction on every core; `bench/llm.py`
+measures each way).
 
 A load checks the referenced tensors against the learner (`check`): another base, a missing or extra
 tensor, another shape or dtype is refused, naming the first tensor that differs. A load that arms a
@@ -42,7 +44,7 @@ import os
 
 import torch
 
-from . import dist, io, provenance
+from . import dist, io, provenance, unwritten
 from .fields import is_int, need, refused
 from .io import CheckpointError
 from .script import script
@@ -135,7 +137,8 @@ def fingerprints(tensors: dict, kinds: dict | None = None) -> dict:
     crc = [k for k in first.values() if kinds[k] == "crc"]
     cpu = [k for k in crc if whole[k].device.type == "cpu"]
     read = lambda names: io.crc32c_many([_bytes(whole[k]) for k in names], _THREADS)  # noqa: E731
-    got = provenance.crcs({k: whole[k] for k in cpu}, read)  # a file's bytes, unwritten: known, not read
+    unmapped = lambda names: list(unwritten.crcs({k: whole[k] for k in names}, read).values())  # noqa: E731
+    got = provenance.crcs({k: whole[k] for k in cpu}, unmapped)  # a file's bytes, or bytes unwritten: known
     for k in first.values():
         if k not in got:
             got[k] = io.crc32c_many([_bytes(whole[k])], _THREADS)[0] if kinds[k] == "crc" else h64(whole[k])

@@ -17,9 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import checkpoint, io, paths, stored
+from . import checkpoint, io, paths, shardfiles, stored
 from .fields import Bad, is_int, need, refused
 from .io import CheckpointError
+from .paths import MANIFEST
 from .script import say
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "upload",
     "remote_crc",
     "download",
+    "download_parts",
+    "download_manifest",
     "local_crc",
     "ends_named",
     "end_key",
@@ -240,7 +243,9 @@ def _sized(d, where: str) -> None:
 
 
 def parse_marker(raw: bytes, name: str, where: str) -> dict:
-    "A marker's JSON, checked before a field of it is used (the remote is untrusted)."
+    """A marker's JSON, checked before a field of it is used (the remote is untrusted). A sharded checkpoint's
+    (a folder: `NAME/manifest.frk` and a file per rank) has its manifest's size and CRC32C, and `parts`: each
+    rank's file's name, size and CRC32C, in rank order."""
     with refused(f"{where}: malformed marker: "):
         try:
             m = json.loads(raw)
@@ -252,21 +257,47 @@ def parse_marker(raw: bytes, name: str, where: str) -> dict:
         for i, end in enumerate(m["ends"]):
             _sized(end, f"marker.ends[{i}]")
             need(plain_name(end.get("file")) and plain_name(end.get("key")), f"marker.ends[{i}]", "a plain file name")
+        if "parts" in m:
+            n, token, parts = m.get("world_size"), m.get("token"), m["parts"]
+            need(is_int(n, 1) and n < 100000, "marker.world_size", "expected an int >= 1")
+            need(is_int(token, 1), "marker.token", "expected an int >= 1")
+            need(isinstance(parts, list) and len(parts) == n, "marker.parts", f"expected a list of {n}")
+            for r, part in enumerate(parts):
+                _sized(part, f"marker.parts[{r}]")
+                want = shardfiles.shard_name(r, n, token)
+                need(part.get("file") == want, f"marker.parts[{r}].file", f"expected {want}")
     return m
+
+
+def download_parts(fs, root: str, dest: Path, marker: dict, ranks) -> int:
+    """The files of ranks `ranks` of the sharded checkpoint whose marker is `marker`, from the remote folder
+    `root` (`NAME/<file>`) into the local folder `dest` (`dest/<file>`), each checked against the marker. Returns
+    the bytes downloaded. A file that does not match is `CheckpointError`, one missing `FileNotFoundError`."""
+    got = 0
+    for r in ranks:
+        part = marker["parts"][r]
+        got += download(fs, f"{root}/{marker['name']}/{part['file']}", dest / part["file"], part)[0]
+    return got
+
+
+def download_manifest(fs, root: str, dest: Path, marker: dict) -> int:
+    "A sharded checkpoint's manifest (`dest/manifest.frk`), downloaded last: its folder is a checkpoint from then on."
+    return download(fs, f"{root}/{marker['name']}/{MANIFEST}", dest / MANIFEST, marker)[0]
 
 
 # ---- the manual path: learn.load(url), the command-line tool's remote copies --------------------
 
 
-def fetch_ends(fs, root: str, url: str, dest: Path, known: dict) -> str:
-    """The stage-end files the checkpoint at `dest` names, downloaded beside it from the remote folder
-    `root` (under their token, or their own name for a file copied there by hand); `known`: key -> the
-    marker's entry (size, CRC32C) to check. Returns what to add to the download's line."""
+def fetch_ends(fs, root: str, url: str, dest: Path, known: dict, into: Path | None = None) -> str:
+    """The stage-end files the checkpoint at `dest` names, downloaded beside it from the remote folder `root`
+    (under their token, or their own name for a file copied there by hand); `known`: key -> the marker's entry
+    (size, CRC32C) to check. Returns what to add to the download's line. `into`: a sharded checkpoint's folder
+    (`dest` one of its files, whose training state names them): they go beside the folder."""
     got, missing = 0, []
     for file, token in ends_named(dest):
         if not plain_name(file):
             continue
-        target = dest.parent / file
+        target = (dest.parent if into is None else into) / file
         with contextlib.suppress(CheckpointError, OSError):
             end = checkpoint.end_state(io.info(target, verify=False)["tree"])
             if end is not None and end.get("token") == token:
@@ -285,7 +316,8 @@ def fetch_ends(fs, root: str, url: str, dest: Path, known: dict) -> str:
             missing.append(file)
     if missing:
         say(
-            f"fastai_resume: {url} lacks the stage-end file(s) {', '.join(missing)} that {dest.name} names: a rerun "
+            f"fastai_resume: {url} lacks the stage-end file(s) {', '.join(missing)} that "
+            f"{dest.name if into is None else dest.parent.name} names: a rerun "
             "that skips those stages says so and refuses what would need their state"
         )
     return f" and {got} stage-end file{'s' if got != 1 else ''}" if got else ""
@@ -314,6 +346,11 @@ def fetch(learn, url: str) -> Path:
     dest = paths.resolve(learn, name)
     t0 = time.perf_counter()
     m = _marker_of(fs, key, name, url)
+    if m is not None and "parts" in m:
+        raise ValueError(
+            f"learn.load({url!r}): a sharded checkpoint's folder (a file per rank): AutoCheckpoint(remote=...) "
+            "resumes from it on every rank; or download the folder (`fastai-resume verify` reads it) and load it"
+        )
     if dest.exists():
         size, crc = local_crc(dest)
         if m is None:
@@ -334,11 +371,17 @@ def fetch(learn, url: str) -> Path:
 
 @contextlib.contextmanager
 def local_copy(url: str):
-    "A downloaded copy of the remote file `url` in a temporary folder (checked against its marker if any)."
-    fs, key, _, name = _split(url)
+    """A downloaded copy of the remote file `url` in a temporary folder (checked against its marker if any); of
+    a sharded checkpoint (a folder whose marker names every rank's file), the folder: every file, its manifest."""
+    fs, key, root, name = _split(url)
     with tempfile.TemporaryDirectory(prefix="fastai-resume-") as d:
         dest = Path(d) / (name or "file")
-        download(fs, key, dest, _marker_of(fs, key, name, url))
+        marker = _marker_of(fs, key, name, url)
+        if marker is not None and "parts" in marker:
+            download_parts(fs, root, dest, marker, range(marker["world_size"]))
+            download_manifest(fs, root, dest, marker)
+        else:
+            download(fs, key, dest, marker)
         yield dest
 
 

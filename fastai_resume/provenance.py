@@ -44,7 +44,7 @@ try:
 except ImportError:  # (not POSIX: nothing is a file's)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["crcs", "keys", "forget", "folder"]
+__all__ = ["crcs", "keys", "forget", "folder", "anonymous"]
 
 ENV = "FASTAI_RESUME_FINGERPRINTS"
 _SETTLED_NS = 2_000_000_000  # a file changed more recently than this is not remembered (timestamp granularity)
@@ -68,7 +68,12 @@ _QUERY = struct.Struct("<QQQQQQQQQIIIIQQ")  # struct procmap_query
 _PROCMAP_QUERY = (3 << 30) | (_QUERY.size << 16) | (ord("f") << 8) | 17  # _IOWR('f', 17, struct procmap_query)
 _SHARED = 0x08  # PROCMAP_QUERY_VMA_SHARED
 _MAPS_LINE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) (\S+) ([0-9a-f]+) ([0-9a-f]+):([0-9a-f]+) (\d+) +(/[^\n]*)$", re.M)
+_ANY_LINE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) \S\S\S(\S) [0-9a-f]+ [0-9a-f]+:[0-9a-f]+ (\d+)", re.M)
 _query_works = [True]
+
+
+class _NoQuery(Exception):
+    "PROCMAP_QUERY is not there (a kernel before 6.11): /proc/self/maps's text is read instead."
 
 
 class _Maps:
@@ -82,18 +87,28 @@ class _Maps:
     def close(self):
         os.close(self.fd)
 
+    def _query(self, addr: int, named: bool) -> tuple | None:
+        """PROCMAP_QUERY's answer for the mapping that covers `addr` (its fields as `_QUERY` unpacks them; `named`:
+        its name in `self.name`); None where nothing is mapped there. `_NoQuery` where the kernel lacks it."""
+        size, at = (len(self.name), ctypes.addressof(self.name)) if named else (0, 0)
+        buf = bytearray(_QUERY.pack(_QUERY.size, 0, addr, 0, 0, 0, 0, 0, 0, 0, 0, size, 0, at, 0))
+        try:
+            fcntl.ioctl(self.fd, _PROCMAP_QUERY, buf, True)
+        except OSError as e:
+            if e.errno in (errno.ENOTTY, errno.EINVAL):  # a kernel before 6.11
+                _query_works[0] = False
+                raise _NoQuery from None
+            return None  # ENOENT: nothing mapped there
+        return _QUERY.unpack(buf)
+
     def at(self, addr: int):
         if _query_works[0]:
-            buf = bytearray(_QUERY.pack(_QUERY.size, 0, addr, 0, 0, 0, 0, 0, 0, 0, 0, len(self.name), 0,
-                                        ctypes.addressof(self.name), 0))  # fmt: skip
             try:
-                fcntl.ioctl(self.fd, _PROCMAP_QUERY, buf, True)
-            except OSError as e:
-                if e.errno in (errno.ENOTTY, errno.EINVAL):  # a kernel before 6.11
-                    _query_works[0] = False
-                    return self.at(addr)
-                return None  # ENOENT: nothing mapped there
-            v = _QUERY.unpack(buf)
+                v = self._query(addr, named=True)
+            except _NoQuery:
+                return self.at(addr)
+            if v is None:
+                return None
             start, end, flags, offset, ino, major, minor, name_size = v[3], v[4], v[5], v[7], v[8], v[9], v[10], v[11]
             if flags & _SHARED or not ino or not name_size:
                 return None
@@ -111,6 +126,48 @@ class _Maps:
             self.starts = [t[0] for t in self.table]
         i = bisect.bisect_right(self.starts, addr) - 1
         return self.table[i] if i >= 0 and addr < self.table[i][1] else None
+
+    def private_anonymous(self, addr: int):
+        "The end of the mapping that covers `addr` where it is private anonymous memory (None: not, or nothing)."
+        if _query_works[0]:
+            try:
+                v = self._query(addr, named=False)
+            except _NoQuery:
+                return self.private_anonymous(addr)
+            return v[4] if v is not None and not v[5] & _SHARED and not v[8] else None
+        if getattr(self, "anon", None) is None:
+            with open("/proc/self/maps", "rb") as f:
+                text = f.read()
+            self.anon = [
+                (int(m[1], 16), int(m[2], 16), m[3] == b"p" and m[4] == b"0") for m in _ANY_LINE.finditer(text)
+            ]
+            self.anon_starts = [t[0] for t in self.anon]
+        i = bisect.bisect_right(self.anon_starts, addr) - 1
+        if i < 0 or addr >= self.anon[i][1] or not self.anon[i][2]:
+            return None
+        return self.anon[i][1]
+
+
+def anonymous(lo: int, hi: int) -> bool:
+    """Whether all of [lo, hi) is this process's private anonymous memory: no file's pages (a file's can change
+    under a private mapping, by a write to the file), none shared with another process (which writes through
+    its own page tables)."""
+    if fcntl is None:
+        return False
+    try:
+        maps = _Maps()
+    except OSError:
+        return False
+    try:
+        at = lo
+        while at < hi:
+            end = maps.private_anonymous(at)
+            if end is None or end <= at:
+                return False
+            at = end
+        return True
+    finally:
+        maps.close()
 
 
 # PAGEMAP_SCAN (Linux 6.7): the runs of pages of a range with the categories asked for, one ioctl; where it

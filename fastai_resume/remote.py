@@ -13,6 +13,11 @@ The remote folder of a run holds, for each checkpoint `NAME` (the local file's n
 - `END.t<token>`: each stage-end file (`between`) a kept checkpoint names, under its token (the same
   name is written again when a stage is run again, with another token): immutable, uploaded before the
   marker that names it, deleted once no kept marker names it;
+- a sharded (FSDP2) fit's checkpoint `NAME` is a folder: `NAME/<rank's file>` uploaded by each rank from its
+  own disk, read back and checked, then its `NAME/<rank's file>.done`; rank 0 uploads `NAME/manifest.frk` and,
+  once every rank's file is there, the marker `NAME.done`, which names each rank's file with its size and
+  CRC32C (`parts`). A rerun downloads it on every rank together (`resume_sharded`): each rank the files it
+  reads, onto its own node's disk, rank 0 the manifest last;
 - `.<fname>-<run>.lock`: the run's lease, JSON renewed every `RENEW` seconds by the process that
   mirrors it; another process takes it only once it has seen it unchanged for 4 renewals (a lost
   machine's), or at once when it names a process of this machine that is gone.
@@ -23,13 +28,15 @@ backoff while the remote fails, then applies `keep` there (the marker of a stale
 and only after a newer one is complete). Training never waits for it, but at the end of the process
 (a normal end, an exception, a SIGTERM's exit), which waits up to `wait` seconds for the newest
 checkpoint to be mirrored. What it says (behind, caught up, given up) is said in the training thread.
-The transfers, markers and names it uses are `objstore`'s; the lease, `lease`'s.
+The transfers, markers and names it uses are `objstore`'s; the lease, `lease`'s. A sharded fit's other ranks
+each have a `Parts`: their own upload thread, no lease (they only add objects; rank 0 removes).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import posixpath
@@ -38,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import checkpoint, io, stored
+from . import checkpoint, dist, io, shardfiles, stored
 from .io import CheckpointError
 from .lease import RENEW, Lease, Notices, machine
 from .lease import Lost as _Lost  # (`_Lost`: the name tests and the threads here catch)
@@ -50,6 +57,8 @@ from .objstore import (
     TMP_NAME,
     RemoteError,
     download,
+    download_manifest,
+    download_parts,
     end_key,
     ends_named,
     fetch_ends,
@@ -63,14 +72,19 @@ from .objstore import (
     remote_crc,
     upload,
 )
+from .paths import MANIFEST
 from .script import say
 
-__all__ = ["Mirror", "mirror_for", "RENEW"]
+__all__ = ["Mirror", "Parts", "mirror_for", "resume_sharded", "RENEW"]
 
 
 def _age(seconds: float) -> str:
     s = int(seconds)
     return f"{s} s" if s < 120 else f"{s // 60} min {s % 60} s" if s < 7200 else f"{s // 3600} h {s % 3600 // 60} min"
+
+
+class Superseded(Exception):
+    "A sharded checkpoint's marker not written yet: a newer checkpoint is due, or the end's wait is over."
 
 
 class RemoteRun:
@@ -96,6 +110,11 @@ class RemoteRun:
         except FileNotFoundError:
             return {}
         return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0) for e in entries}
+
+    def remove(self, name: str) -> None:
+        "The object `name`, or every object under `NAME/` (a sharded checkpoint's folder); gone already is fine."
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.key(name), recursive=True)
 
     def complete(self, listing: dict | None = None) -> list:
         "This run's checkpoints complete on the remote (data and marker), oldest first."
@@ -133,17 +152,29 @@ class RemoteRun:
         return local
 
     def fetch(self, name: str) -> Path:
+        "The checkpoint `name` downloaded by this process (a sharded one: every rank's file, the manifest last)."
         t0 = time.perf_counter()
         m = self.manifest(name)
         dest = self.folder / name
-        try:
-            n, _ = download(self.fs, self.key(name), dest, m)
-            io.info(dest, verify=True)
-        except CheckpointError:
-            with contextlib.suppress(OSError):
-                dest.unlink()
-            raise
-        ends = fetch_ends(self.fs, self.root, self.url, dest, {e["key"]: e for e in m["ends"]})
+        if "parts" in m:
+            ranks = range(m["world_size"])
+            try:
+                n = download_parts(self.fs, self.root, dest, m, ranks)
+                ends = fetch_ends(self.fs, self.root, self.url, dest / m["parts"][0]["file"], _known(m), self.folder)
+                n += download_manifest(self.fs, self.root, dest, m)
+                shardfiles.verify(dest)
+            except BaseException:
+                _discard(dest, m, ranks)
+                raise
+        else:
+            try:
+                n, _ = download(self.fs, self.key(name), dest, m)
+                io.info(dest, verify=True)
+            except CheckpointError:
+                with contextlib.suppress(OSError):
+                    dest.unlink()
+                raise
+            ends = fetch_ends(self.fs, self.root, self.url, dest, _known(m))
         print(
             f"AutoCheckpoint: downloaded {name} from {self.url} ({n:,} bytes{ends}, {time.perf_counter() - t0:.1f} s; "
             "checksums verified)",
@@ -166,27 +197,89 @@ class Publisher:
         self.run, self.lease, self.notices, self.keep = run, lease, notices, keep
         self.fs, self.url = run.fs, run.url
         self.ends: dict = {}  # (file, token) -> {"file", "key", "size", "crc32c"} uploaded
+        self.folders: set = set()  # sharded stage ends said not to be mirrored (once each)
 
-    def publish(self, path: Path) -> None:
-        "Uploads `path` and the stage-end files it names, checks them, writes its marker, applies `keep`."
+    def publish(self, path: Path, superseded=lambda: False) -> None:
+        """Uploads `path` and the stage-end files it names, checks them, writes its marker, applies `keep`. A
+        sharded checkpoint's folder: this rank's file and the manifest, then the marker once every rank's file
+        is there, unless `superseded()` says first that it need not be (`Superseded`)."""
+        if path.is_dir():
+            return self._publish_folder(path, superseded)
         name, key = path.name, self.run.key
         with open(path, "rb") as f:  # held open: retention may unlink the file meanwhile
             size = os.fstat(f.fileno()).st_size
             ls = self.run.listing()
-            if name + MARKER in ls:
-                try:
-                    old = self.run.manifest(name)
-                except CheckpointError:
-                    old = None
-                if old is not None and (old["size"], old["crc32c"]) == local_crc(f"/proc/self/fd/{f.fileno()}"):
-                    return  # already there (a rerun that resumed from it)
-                self.lease.fence()
-                self.fs.rm_file(key(name + MARKER))  # its bytes are about to change: no marker meanwhile
+            same = lambda old: (old["size"], old["crc32c"]) == local_crc(f"/proc/self/fd/{f.fileno()}")  # noqa: E731
+            if self._there(name, ls, same):
+                return
             ends = [self._end(file, token, ls) for file, token in ends_named(f"/proc/self/fd/{f.fileno()}")]
             crc = upload(self.fs, f, key(name), size)
-        if int(self.fs.info(key(name))["size"]) != size or remote_crc(self.fs, key(name), size) != crc:
-            raise CheckpointError(f"{self.url}{name}: the remote copy read back differs from what was sent")
+        _read_back(self.fs, key(name), size, crc, self.url + name)
+        self._complete({"name": name, "size": size, "crc32c": crc, "ends": [e for e in ends if e is not None]}, ls)
+
+    def _publish_folder(self, path: Path, superseded) -> None:
+        "A sharded checkpoint (rank 0): its file (`publish_part`), its manifest, the stage ends, every rank's file."
+        name, key = path.name, self.run.key
+        if not (path / MANIFEST).exists():  # (local retention removed it: a newer one is due)
+            raise FileNotFoundError(None, f"{path}: gone")
+        m = shardfiles.read_manifest(path)
+        n, token = m["world_size"], m["token"]
+        ls = self.run.listing()
+        if self._there(name, ls, lambda old: old.get("token") == token):
+            return
+        publish_part(self.run, path, 0)
+        with open(path / MANIFEST, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            crc = upload(self.fs, f, key(f"{name}/{MANIFEST}"), size)
+        _read_back(self.fs, key(f"{name}/{MANIFEST}"), size, crc, f"{self.url}{name}/{MANIFEST}")
+        ends = [self._end(file, t, ls) for file, t in ends_named(path / shardfiles.shard_name(0, n, token))]
+        parts = self._parts(name, [shardfiles.shard_name(r, n, token) for r in range(n)], superseded)
         marker = {"name": name, "size": size, "crc32c": crc, "ends": [e for e in ends if e is not None]}
+        self._complete({**marker, "world_size": n, "token": token, "parts": parts}, ls)
+
+    def _there(self, name: str, ls: dict, same) -> bool:
+        """Whether the checkpoint `name` is complete on the remote already, as `same(its marker)` says (a rerun
+        that resumed from it). Otherwise its marker, if any, is removed (fenced): its objects are about to change."""
+        if name + MARKER not in ls:
+            return False
+        try:
+            old = self.run.manifest(name)
+        except CheckpointError:
+            old = None
+        if old is not None and same(old):
+            return True
+        self.lease.fence()
+        self.fs.rm_file(self.run.key(name + MARKER))
+        return False
+
+    def _parts(self, name: str, files: list, superseded) -> list:
+        """Each rank's file of the sharded checkpoint `name` as its rank's marker says it was uploaded and checked
+        (`publish_part`), once every rank's is there; `Superseded` if `superseded()` says first that it need not be."""
+        pause = 0.1
+        while True:
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(self.run.key(name))
+            try:
+                have = {posixpath.basename(k.rstrip("/")) for k in self.fs.ls(self.run.key(name), detail=False)}
+            except FileNotFoundError:
+                have = set()
+            missing = [r for r, f in enumerate(files) if f + MARKER not in have]
+            if not missing:
+                parts = []
+                for f in files:
+                    where = f"{self.url}{name}/{f}{MARKER}"
+                    p = parse_marker(self.fs.cat_file(self.run.key(f"{name}/{f}{MARKER}")), f, where)
+                    parts.append({"file": f, "size": p["size"], "crc32c": p["crc32c"]})
+                return parts
+            if superseded():
+                ranks = ", ".join(f"rank {r}'s" for r in missing)
+                raise Superseded(f"the remote lacks {ranks} file of {name} (not uploaded yet)")
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+
+    def _complete(self, marker: dict, ls: dict) -> None:
+        "A checkpoint's every object is up and checked: its marker (fenced), then `keep` applied."
+        name, key = marker["name"], self.run.key
         marker.update(uploaded=time.time(), machine=machine().split(" ")[0], pid=os.getpid())
         self.lease.fence()
         put_whole(self.fs, key(name + MARKER), json.dumps(marker).encode())
@@ -213,6 +306,15 @@ class Publisher:
             self.notices.post(f"AutoCheckpoint: the stage-end file {file} is not in {self.run.folder}: not mirrored")
             return None
         path = self.run.folder / file
+        if path.is_dir():  # (a sharded fit's stage end: a file per rank, on each rank's disk)
+            if (file, token) in self.folders:
+                return None
+            self.folders.add((file, token))
+            self.notices.post(
+                f"AutoCheckpoint: the stage-end {path} is a sharded checkpoint's folder: not mirrored (a rerun on "
+                "another machine that skips its stage says so and refuses what would need its state)"
+            )
+            return None
         try:
             with open(path, "rb") as f:
                 proc = f"/proc/self/fd/{f.fileno()}"
@@ -231,14 +333,18 @@ class Publisher:
         return entry
 
     def retain(self) -> None:
-        "Keeps the newest `keep` complete checkpoints (markers go first) and the stage-end files they name."
+        """Keeps the newest `keep` complete checkpoints (markers go first) and the stage-end files they name; a
+        sharded checkpoint older than the newest complete one that never got its marker (given up for a newer
+        one: every rank has moved on from it) is removed."""
         ls = self.run.listing()
         done = self.run.complete(ls)
         for name in done[: -self.keep]:
             self.lease.fence()
             for n in (name + MARKER, name):
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(self.run.key(n))
+                self.run.remove(n)
+        for n in ls:
+            if done and n < done[-1] and self.run.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls:
+                self.run.remove(n)
         named = set()
         for name in done[-self.keep :]:
             with contextlib.suppress(CheckpointError, FileNotFoundError):
@@ -266,18 +372,52 @@ class Publisher:
             torn = TMP_NAME.search(n) and n.lstrip(".").startswith(self.run.prefix[:-1])  # a killed `put_whole`'s
             if orphan or torn or (m and n.startswith(self.run.prefix) and n not in named):
                 with contextlib.suppress(Exception):
-                    self.fs.rm_file(self.run.key(n))
+                    self.run.remove(n)
+
+
+def _read_back(fs, key: str, size: int, crc: int, shown: str) -> None:
+    if int(fs.info(key)["size"]) != size or remote_crc(fs, key, size) != crc:
+        raise CheckpointError(f"{shown}: the remote copy read back differs from what was sent")
+
+
+def publish_part(run: RemoteRun, path: Path, rank: int) -> None:
+    """Rank `rank`'s file of the sharded checkpoint `path` (on this rank's disk): uploaded to `NAME/<file>`, read
+    back and checked, then its marker `NAME/<file>.done` (size, CRC32C), which rank 0's marker of the whole
+    checkpoint waits for. Already there with the same bytes: nothing sent."""
+    mine = [p for p in path.iterdir() if (m := shardfiles.SHARD_FILE.match(p.name)) and int(m[1]) == rank]
+    if not mine:  # (local retention removed it: a newer one is due)
+        raise FileNotFoundError(None, f"{path}: rank {rank}'s file is gone")
+    if len(mine) != 1:
+        raise CheckpointError(f"{path}: {len(mine)} files of rank {rank} in it, expected one")
+    file, key = mine[0], run.key(f"{path.name}/{mine[0].name}")
+    if is_local(run.fs):
+        run.fs.makedirs(run.key(path.name), exist_ok=True)
+    with open(file, "rb") as f:  # held open: retention may unlink the file meanwhile
+        size = os.fstat(f.fileno()).st_size
+        try:
+            old = parse_marker(run.fs.cat_file(key + MARKER), file.name, run.url + key + MARKER)
+        except (FileNotFoundError, CheckpointError):
+            old = None
+        if old is not None and (old["size"], old["crc32c"]) == local_crc(f"/proc/self/fd/{f.fileno()}"):
+            return
+        crc = upload(run.fs, f, key, size)
+    _read_back(run.fs, key, size, crc, f"{run.url}{path.name}/{file.name}")
+    put_whole(run.fs, key + MARKER, json.dumps({"name": file.name, "size": size, "crc32c": crc, "ends": []}).encode())
 
 
 class Uploader:
     """The thread that mirrors the newest local checkpoint each time one is committed (those committed while
     an upload runs are skipped), with `send`, retrying with backoff while the remote fails; what it has to say
-    (behind, caught up), said in the training thread; and at the end, the wait of up to `wait` seconds."""
+    (behind, caught up), said in the training thread; and at the end, the wait of up to `wait` seconds.
+    `send(path, superseded)`; `lease`: None where this process removes nothing there (a sharded fit's other
+    ranks); `what`: how its messages name what it uploads of a checkpoint (a rank's file of it)."""
 
-    def __init__(self, url: str, wait: float, lease: Lease, notices: Notices, send):
+    def __init__(self, url: str, wait: float, lease: Lease | None, notices: Notices, send, what: str = ""):
         self.url, self.wait, self.lease, self.notices, self.send = url, wait, lease, notices, send
+        self.what = what
         self.cond = threading.Condition()
-        self.want: Path | None = None  # the newest local checkpoint, to mirror
+        self.want: Path | None = None  # the newest local checkpoint handed over, to mirror
+        self.latest: Path | None = None  # the newest local checkpoint (all are handed over but a sharded fit's)
         self.newest: str | None = None  # the newest checkpoint complete on the remote
         self.commits = 0  # local checkpoints handed over by this process
         self.mirrored_commits = 0  # ... of which the newest mirrored was the n-th
@@ -289,19 +429,34 @@ class Uploader:
         self.last_said = 0.0
         self.thread = threading.Thread(target=self._loop, name="fastai_resume-remote", daemon=True)
 
+    def _lost(self) -> str | None:
+        return None if self.lease is None else self.lease.lost
+
+    def _superseded(self, path: Path) -> bool:
+        "The upload of `path` need not finish: a newer checkpoint is due, the end's wait is over, the lease lost."
+        return self.want != path or (self.closing and self._deadline_passed()) or self._lost() is not None
+
     def start(self, newest: str | None) -> None:
         "Starts the thread; `newest`: the newest checkpoint complete on the remote now."
         with self.cond:
             self.newest = newest
         self.thread.start()
 
-    def committed(self, path: Path) -> None:
-        "A local checkpoint was committed: the thread mirrors it (or a newer one). Says what is due."
+    def committed(self, path: Path, hand: bool = True) -> None:
+        """A local checkpoint was committed: the thread mirrors it (or a newer one), or with `hand=False` only
+        the end's wait does (if it is still the newest then). Says what is due."""
         with self.cond:
             self.commits += 1
-            self.want = Path(path)
-            self.cond.notify_all()
+            self.latest = Path(path)
+            if hand:
+                self.want = self.latest
+                self.cond.notify_all()
         self.say_due()
+
+    def idle(self) -> bool:
+        "Nothing being uploaded and nothing waiting to be (the newest handed over is up)."
+        with self.cond:
+            return self.started is None and (self.want is None or self.want.name == self.newest)
 
     def say_due(self) -> None:
         """What the background threads have to say, said in the caller's (the training) thread; and, at most
@@ -312,14 +467,17 @@ class Uploader:
             now, behind = time.monotonic(), self.commits - self.mirrored_commits
             failing = self.error is not None and self.behind_since is not None
             slow = self.started is not None and now - self.started[0] >= 60 and self.commits > self.started[2]
-            if (failing or slow) and self.lease.lost is None and now - self.last_said >= 60 and behind > 0:
+            if (failing or slow) and self._lost() is None and now - self.last_said >= 60 and behind > 0:
                 self.last_said = now
                 msgs.append(self._behind(behind, now))
         for m in msgs:
             say(m)
 
     def _behind(self, n: int, now: float) -> str:
-        newest = f"its newest checkpoint is {self.newest}" if self.newest else "it has no checkpoint of this run"
+        if self.what:  # (a sharded fit's rank: its own files)
+            newest = f"{self.what}{self.newest} is the newest there" if self.newest else f"it has no {self.what}any"
+        else:
+            newest = f"its newest checkpoint is {self.newest}" if self.newest else "it has no checkpoint of this run"
         if self.error is not None and self.behind_since is not None:
             why = f"uploads have failed for {_age(now - self.behind_since)}: {reason(self.error)}"
         else:
@@ -334,25 +492,32 @@ class Uploader:
         backoff = 1.0
         while True:
             with self.cond:
-                while not self.closing and (self.want is None or self.want.name == self.newest or self.lease.lost):
+                while not self.closing and (self.want is None or self.want.name == self.newest or self._lost()):
                     self.cond.wait()
-                if self.lease.lost or (self.closing and (self.want is None or self.want.name == self.newest)):
+                if self._lost() or (self.closing and (self.want is None or self.want.name == self.newest)):
+                    return
+                if self.closing and self._deadline_passed():
                     return
                 path, count = self.want, self.commits
                 self.started = (time.monotonic(), path.name, count)
             try:
-                self.send(path)
+                self.send(path, functools.partial(self._superseded, path))
                 with self.cond:
                     if self.behind_since is not None:
                         self.notices.post(
-                            f"AutoCheckpoint: the remote {self.url} is up to date again ({path.name}), after "
-                            f"{_age(time.monotonic() - self.behind_since)} behind"
+                            f"AutoCheckpoint: the remote {self.url} is up to date again ({self.what}{path.name}), "
+                            f"after {_age(time.monotonic() - self.behind_since)} behind"
                         )
                     self.newest, self.mirrored_commits = path.name, count
                     self.error = self.behind_since = None
                     backoff = 1.0
             except _Lost:  # (the lease said so)
                 return
+            except Superseded as e:  # a newer checkpoint is due (the loop takes it), or the end's wait is over
+                with self.cond:
+                    if self.closing and self._deadline_passed():
+                        self.error = e
+                continue
             except Exception as e:
                 with self.cond:
                     if isinstance(e, FileNotFoundError) and self.want != path:
@@ -378,26 +543,28 @@ class Uploader:
         with self.cond:
             if self.closing:
                 return False
-            want = self.want
-            pending = want is not None and want.name != self.newest and self.lease.lost is None
+            self.want = want = self.latest  # (every rank of a sharded fit has the same newest)
+            pending = want is not None and want.name != self.newest and self._lost() is None
             self.deadline = time.monotonic() + self.wait
             self.closing = True
             self.cond.notify_all()
             if want is not None and pending:
-                print(f"AutoCheckpoint: mirroring {want.name} to {self.url} (waiting up to {self.wait:.0f} s)")
+                print(
+                    f"AutoCheckpoint: mirroring {self.what}{want.name} to {self.url} (waiting up to {self.wait:.0f} s)"
+                )
                 sys.stdout.flush()
-                over = lambda: self.lease.lost is not None or self.newest == want.name or self._deadline_passed()  # noqa: E731
+                over = lambda: self._lost() is not None or self.newest == want.name or self._deadline_passed()  # noqa: E731
                 while not over():
                     self.cond.wait_for(over, timeout=5.0)
                     self.say_due()  # meanwhile, what training would have said: how far behind, once a minute
             done = want is None or self.newest == want.name
         if want is not None and done:  # the process's last word on the remote, as it ends
-            print(f"AutoCheckpoint: {want.name} is on {self.url}", flush=True)
-        elif want is not None and pending and self.lease.lost is None:
+            print(f"AutoCheckpoint: {self.what}{want.name} is on {self.url}", flush=True)
+        elif want is not None and pending and self._lost() is None:
             why = reason(self.error) if self.error else "the upload did not finish in time"
             print(
                 f"AutoCheckpoint: exiting with the remote {self.url} behind: it has {self.newest or 'no checkpoint'} "
-                f"of this run; {want.name} is on this machine only ({why})",
+                f"of this run; {self.what}{want.name} is on this machine only ({why})",
                 flush=True,
             )
         self.say_due()
@@ -478,17 +645,21 @@ class Mirror:
         "The checkpoint to resume from: `local`, or a newer one downloaded from the remote (`RemoteRun`)."
         return self.run.resume_point(local)
 
-    def committed(self, path: Path) -> None:
-        "A local checkpoint was committed: the upload thread mirrors it (or a newer one). Says what is due."
-        self.uploads.committed(path)
+    def committed(self, path: Path, every_rank: bool = False) -> None:
+        """A local checkpoint was committed: the upload thread mirrors it (or a newer one). Says what is due.
+        `every_rank`: a sharded fit's, committed on every rank together (a collective): it is handed over to every
+        rank's upload thread where each is idle, and to none otherwise, so that they upload the same checkpoints
+        (one that is skipped costs nothing: a newer one follows, and the end's wait takes the newest)."""
+        hand = all(dist.exchange("AutoCheckpoint: the uploads idle", self.uploads.idle())) if every_rank else True
+        self.uploads.committed(path, hand)
 
     def say_due(self) -> None:
         "What the background threads have to say, said in the caller's (the training) thread."
         self.uploads.say_due()
 
-    def _mirror(self, path: Path) -> None:
+    def _mirror(self, path: Path, superseded=lambda: False) -> None:
         "One checkpoint mirrored (`Publisher.publish`): what the upload thread runs for each."
-        self.publisher.publish(path)
+        self.publisher.publish(path, superseded)
 
     def close(self) -> None:
         """At the process's end: waits up to `wait` seconds for the newest local checkpoint to be mirrored
@@ -499,15 +670,134 @@ class Mirror:
             self.lease.release()
 
 
-_MIRRORS: dict = {}  # (url, folder, prefix) -> the Mirror of this process
+class Parts:
+    """A sharded fit's rank other than 0 (`AutoCheckpoint(remote=...)`): its own file of each committed checkpoint
+    uploaded by a thread of its own (`publish_part`), whatever disk it is on; rank 0's `Mirror` uploads its own
+    file and the manifest, and writes the checkpoint's marker once every rank's file is there. No lease: it only
+    adds objects (rank 0 alone removes any). `run`: the remote folder, for the rerun's download."""
+
+    committed, say_due = Mirror.committed, Mirror.say_due
+
+    def __init__(self, url, options, folder: Path, fname: str, run_id: str, wait: float):
+        self.run = RemoteRun(url, options, folder, fname, run_id)
+        self.url, self.notices, rank = self.run.url, Notices(), dist.rank()
+        send = lambda path, _: publish_part(self.run, path, rank)  # noqa: E731
+        self.uploads = Uploader(self.url, wait, None, self.notices, send, what=f"rank {rank}'s file of ")
+        self.uploads.start(None)
+        atexit.register(self.close)
+
+    def names(self) -> list:
+        return []  # (rank 0's mirror numbers the attempts)
+
+    def close(self) -> None:
+        "At the process's end: waits up to `wait` seconds for this rank's file of the newest checkpoint to be up."
+        self.uploads.close()
 
 
-def mirror_for(url, options, folder: Path, fname: str, run_id: str, keep: int, wait: float) -> Mirror:
-    "This process's mirror of one run (every AutoCheckpoint of the run shares it), opened on first use."
+_MIRRORS: dict = {}  # (url, folder, prefix) -> the Mirror (rank 0's) or Parts of this process
+
+
+def mirror_for(url, options, folder: Path, fname: str, run_id: str, keep: int, wait: float):
+    """This process's mirror of one run (every AutoCheckpoint of the run shares it), opened on first use: rank
+    0's `Mirror`, or where a sharded fit's other ranks call it, their `Parts` (after rank 0's is open)."""
     k = (url, str(folder), fname, run_id)
     m = _MIRRORS.get(k)
     if m is None:
-        m = Mirror(url, options, folder, fname, run_id, keep, wait)
-        m.open()
+        if dist.rank() == 0:
+            m = Mirror(url, options, folder, fname, run_id, keep, wait)
+            m.open()
+        else:
+            m = Parts(url, options, folder, fname, run_id, wait)
         _MIRRORS[k] = m
     return m
+
+
+def resume_sharded(run: RemoteRun, newest_local: str | None) -> str | None:
+    """A sharded fit's start, on every rank together: the newest checkpoint complete on the remote and newer than
+    `newest_local` (rank 0's newest local one) downloaded, each rank the files of ranks r, r + world, ... (at the
+    saved world size its own) onto its own disk, then rank 0 the stage-end files it names and its manifest, last.
+    One whose files do not match its marker, or lack one, is said and set aside on the remote (the files this
+    download wrote removed), and the one before it tried; the remote unreachable, or a disk failing, stops every
+    rank before training. Returns the name downloaded (None: none newer)."""
+    rank, world, t0 = dist.rank(), dist.world(), time.perf_counter()
+
+    def each(step: str, fn, only0: bool = False) -> list:
+        "Every rank's outcome of `fn()` at `step`: ('ok', value), ('bad', why: this copy) or ('down', why)."
+        out: list = ["ok", None]
+        if rank == 0 or not only0:
+            try:
+                out = ["ok", fn()]
+            except (CheckpointError, FileNotFoundError) as e:
+                out = ["bad", reason(e)]
+            except Exception as e:  # the network (or this disk): the remote's copy may be fine
+                out = ["down", reason(e)]
+        rows = dist.exchange(f"AutoCheckpoint: {step}", out)
+        down = [f"rank {r}: {why}" for r, (k, why) in enumerate(rows) if k == "down"]
+        if down:
+            raise RemoteError(
+                None,
+                f"AutoCheckpoint: could not read {step} from {run.url} ({'; '.join(down)}); run the script again "
+                "once the remote is reachable: training has not started",
+            )
+        return rows
+
+    def bad(rows) -> str | None:
+        return "; ".join(f"rank {r}: {why}" for r, (k, why) in enumerate(rows) if k == "bad") or None
+
+    rows = each("its checkpoints", lambda: [n for n in reversed(run.complete()) if n > (newest_local or "")], True)
+    if bad(rows):  # (a listing that failed otherwise than by the network)
+        raise RemoteError(None, f"AutoCheckpoint: could not list {run.url}: {bad(rows)}")
+    for name in rows[0][1]:
+        dest, got = run.folder / name, 0
+        mine: range = range(0)
+        rows = each(f"{name}'s marker", lambda: run.manifest(name), True)  # noqa: B023
+        why, marker = bad(rows), rows[0][1]
+        if why is None and "parts" not in marker:
+            say(f"AutoCheckpoint: skipping {run.url}{name}: one file, not a sharded checkpoint's folder")
+            continue
+        try:
+            if why is None:
+                mine = range(rank, marker["world_size"], world)
+                rows = each(f"{name}'s files", lambda: download_parts(run.fs, run.root, dest, marker, mine))  # noqa: B023
+                why, got = bad(rows), sum(n for _, n in rows if isinstance(n, int))
+            if why is None:
+
+                def last():  # the stage ends its training state names (beside the checkpoints), then the manifest
+                    own = dest / marker["parts"][0]["file"]  # noqa: B023
+                    fetch_ends(run.fs, run.root, run.url, own, _known(marker), into=run.folder)  # noqa: B023
+                    return download_manifest(run.fs, run.root, dest, marker)  # noqa: B023
+
+                rows = each(f"{name}'s manifest", last, True)
+                why = bad(rows)
+        except BaseException:
+            _discard(dest, marker, mine)
+            raise
+        if why is None:
+            if rank == 0:
+                print(
+                    f"AutoCheckpoint: downloaded {name} from {run.url} ({got:,} bytes in {marker['world_size']} "
+                    f"ranks' files and its manifest, onto each rank's disk; {time.perf_counter() - t0:.1f} s; "
+                    "checksums verified)",
+                    flush=True,
+                )
+            return name
+        _discard(dest, marker, mine)
+        if rank == 0:
+            say(f"AutoCheckpoint: skipping {run.url}{name}: {why}")
+            run.set_aside(name)
+    return None
+
+
+def _known(marker: dict) -> dict:
+    return {e["key"]: e for e in marker["ends"]}
+
+
+def _discard(dest: Path, marker, ranks) -> None:
+    "What a download that was given up wrote of a sharded checkpoint: the files of `ranks`, its manifest."
+    if not isinstance(marker, dict) or "parts" not in marker:
+        return
+    for p in [dest / marker["parts"][r]["file"] for r in ranks] + [dest / MANIFEST]:
+        with contextlib.suppress(OSError):
+            p.unlink()
+    with contextlib.suppress(OSError):
+        dest.rmdir()

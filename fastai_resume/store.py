@@ -11,7 +11,8 @@
 A save of a model that is not sharded (one process, DDP) never enters `sharded`, which keeps the
 DTensor mechanics: a rank's tree of local tensors, and reading a folder into a model at any world size.
 A save in flight is a `Pending`; AutoCheckpoint holds at most one and decides only when to save and what
-a failure does. A new storage case (a per-rank upload, a sharded delta) is a layout here.
+a failure does. A new storage case (a sharded delta) is a layout here; a copy elsewhere (object storage, a sharded fit's
+per-rank uploads too) is `remote`'s.
 
 A folder's save makes two small collectives (its token, 8 bytes; the outcome, `dist.verdict`): every rank
 writes its file under the save's token, so a new save never overwrites a file of the checkpoint it

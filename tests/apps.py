@@ -326,6 +326,9 @@ def llm(a, st, out):
     pretrained("pretrained", a.base_seed)
     tokenizer = AutoTokenizer.from_pretrained("pretrained")
     model = AutoModelForCausalLM.from_pretrained("pretrained")
+    if a.copy_base:  # the base a copy in this process's memory (as a torch.load or another dtype makes), not the file's
+        for p in model.parameters():
+            p.data = p.data.clone()
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1))
 
     class TransformersTokenizer(Transform):
@@ -359,6 +362,10 @@ def llm(a, st, out):
     values("valid", learn.validate())
     learn.model.save_pretrained("adapter")
     out["model"] = learner_result(learn)
+    if a.copy_base:
+        from fastai_resume import unwritten
+
+        print(f"TRACKED {unwritten.stats()}")
 
 
 class TouchFrozen:
@@ -388,6 +395,7 @@ def main(argv=None):
     ap.add_argument("--break-rng", action="store_true")
     ap.add_argument("--base-seed", type=int, default=0)  # llm: the "pretrained" base model's weights
     ap.add_argument("--touch-frozen", action="store_true")  # llm: a callback writes into the frozen base
+    ap.add_argument("--copy-base", action="store_true")  # llm: the base's weights copied (not the file's pages)
     ap.add_argument("--no-base-check", action="store_true")  # negative control: the fingerprint check removed
     a = ap.parse_args(argv)
     from fastai.torch_core import set_seed

@@ -24,3 +24,19 @@ def tmp_root(tmp_path_factory, worker_id):
     root = (base.parent if worker_id != "master" else base) / "shared-runs"
     root.mkdir(exist_ok=True)
     return str(root)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    "The bytes the fingerprints read (`io.crc32c_many`), since the last reset (test_provenance, test_unwritten)."
+    from fastai_resume import io
+
+    read = [0]
+    real = io.crc32c_many
+
+    def counting(buffers, threads):
+        read[0] += sum(b.nbytes for b in buffers)
+        return real(buffers, threads)
+
+    monkeypatch.setattr(io, "crc32c_many", counting)
+    return read

@@ -6,7 +6,7 @@ written to a folder and loaded with `from_pretrained`, adapters from `peft`, a f
     python tests/fsdp_lora.py --path D --out OUT --plain --resume NAME   (one process, the model not sharded)
 
 `--die-at K`: saves `crash` (with_iter=True) after K training batches of the first epoch, then SIGKILLs
-itself. `--base-seed S`: another base (negative control). Each rank writes OUT.rank{r}: its losses and
+itself. `--auto N [--remote URL]`: AutoCheckpoint every N batches (mirrored to URL), with autoresume. `--base-seed S`: another base (negative control). Each rank writes OUT.rank{r}: its losses and
 every parameter whole (gathered)."""
 
 import argparse
@@ -27,7 +27,7 @@ def base_model(folder, seed):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     mark = os.path.join(folder, f"seed-{seed}")
-    if int(os.environ.get("RANK", 0)) == 0 and not os.path.exists(mark):
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not os.path.exists(mark):  # (each node's disk its copy)
         torch.manual_seed(seed)
         cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
         GPT2LMHeadModel(cfg).save_pretrained(folder)
@@ -44,6 +44,9 @@ def main(argv=None):
     ap.add_argument("--resume", default=None)
     ap.add_argument("--base-seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true", help="one process, the model not sharded")
+    ap.add_argument("--auto", type=int, default=0, help="AutoCheckpoint(every_iters=N, keep=3)")
+    ap.add_argument("--remote", default=None, help="... mirrored to this URL")
+    ap.add_argument("--slow-ms", type=float, default=0, help="sleep this long after each batch")
     a = ap.parse_args(argv)
     from fastai.text.all import Callback, CrossEntropyLossFlat, DataLoaders, Learner
     from fastai.torch_core import set_seed
@@ -72,7 +75,14 @@ def main(argv=None):
                 self.learn.save("crash", with_iter=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[DropOutput])
+    class Slow(Callback):
+        def after_batch(self):
+            time.sleep(a.slow_ms / 1000)
+
+    cbs = [DropOutput] + ([Slow()] if a.slow_ms else [])
+    if a.auto:
+        cbs.append(fastai_resume.AutoCheckpoint(every_iters=a.auto, keep=3, remote=a.remote))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=cbs)
     rank = int(os.environ.get("RANK", 0))
     torch.manual_seed(1000 + rank)  # each rank its own dropout masks
     if a.plain:

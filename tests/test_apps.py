@@ -17,8 +17,9 @@ import fastai_resume as fr
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_app(app, folder, out, *args, expect=0):
-    p = FORKS.run([sys.executable, os.path.join(HERE, "apps.py"), app, "--out", str(out), *args], ENV, 900, cwd=folder)
+def run_app(app, folder, out, *args, expect=0, env=None):
+    cmd = [sys.executable, os.path.join(HERE, "apps.py"), app, "--out", str(out), *args]
+    p = FORKS.run(cmd, dict(ENV, **(env or {})), 900, cwd=folder)
     assert p.returncode == expect, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout + p.stderr
 

@@ -6,7 +6,9 @@ is compared bitwise with the uninterrupted two-node run, or the rerun must fail 
 saying why. Needs root for `unshare -m` (CI runs as root); skipped elsewhere."""
 
 import functools
+import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -16,11 +18,13 @@ import time
 
 import pytest
 from procs import ENV, HERE, descendants, equal, shared_run
+from s3server import Server
 
 import fastai_resume as fr
 
 pytestmark = pytest.mark.slow
 KEYS = ("model", "opt", "losses", "lrs", "values")
+AUTO = re.compile(r"^auto-\w+-g\d{3}-s\d{3}-f\d{2}-e\d{6}-i\d{10}\.frk$")
 
 
 def _namespaces_work() -> bool:
@@ -40,38 +44,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_cmd(root, node, port, *args):
+def node_cmd(root, node, port, *args, script="trainer.py"):
     """Node `node`'s torchrun agent, in a mount namespace where `root/work` is `root/node<node>`."""
     work, disk = os.path.join(root, "work"), os.path.join(root, f"node{node}")
     run = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
     run += ["--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    run += [os.path.join(HERE, "trainer.py"), "--path", work, "--out", os.path.join(work, "out.frk"), "--ddp", *args]
+    run += [os.path.join(HERE, script), "--path", work, "--out", os.path.join(work, "out.frk"), *args]
+    run += ["--ddp"] if script == "trainer.py" else []
     inner = f"mount --bind {shlex.quote(disk)} {shlex.quote(work)} && cd {shlex.quote(work)} && exec {shlex.join(run)}"
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", inner]
 
 
-def two_nodes(root, *args, env=None, timeout=300):
-    """Both nodes' agents with `args`; (their return codes, their outputs). A job still running after
-    `timeout` seconds is a hang: killed, and the test fails saying so."""
+def start_nodes(root, *args, env=None, out=subprocess.PIPE, script="trainer.py") -> list:
+    "Both nodes' agents with `args`, started (Popen objects; `out`: where their merged output goes)."
     for d in ("work", "node0", "node1"):
         os.makedirs(os.path.join(root, d), exist_ok=True)
     port = _free_port()
     env = dict(ENV, PYTHONUNBUFFERED="1", **(env or {}))
-    ps = [
+    return [
         subprocess.Popen(
-            node_cmd(root, n, port, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            node_cmd(root, n, port, *args, script=script), stdout=out, stderr=subprocess.STDOUT, text=True, env=env
         )
         for n in (0, 1)
     ]
+
+
+def kill_nodes(ps) -> None:
+    "SIGKILL to every process of both nodes (each rank is in a session of its own: killpg would miss them)."
+    for p in ps:
+        for pid in descendants(p.pid):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    for p in ps:
+        p.wait(60)
+
+
+def two_nodes(root, *args, env=None, timeout=300, script="trainer.py"):
+    """Both nodes' agents with `args`; (their return codes, their outputs). A job still running after
+    `timeout` seconds is a hang: killed, and the test fails saying so."""
+    ps = start_nodes(root, *args, env=env, script=script)
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in ps]
     except subprocess.TimeoutExpired:
-        for p in ps:
-            for pid in descendants(p.pid):
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+        kill_nodes(ps)
         pytest.fail(f"the two-node job {args} hangs (still running after {timeout} s)")
     return [p.returncode for p in ps], outs
 
@@ -268,3 +285,114 @@ def test_fsdp2_autocheckpoint_on_node_local_disks_resumes_each_rank_from_its_own
     assert sorted(p.name for p in (new / "node0" / "models").glob("auto-*")) == sorted(
         p.name for p in (swapped / "node1" / "models").glob("auto-*")
     )
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = Server()
+    yield server
+    server.stop()
+
+
+def test_fsdp2_each_nodes_ranks_upload_their_files_and_two_fresh_nodes_resume_exactly(tmp_root, tmp_path, s3):
+    """A sharded fit on two nodes whose disks are their own, mirrored to an S3-API server: each rank uploads
+    the file its own node's disk holds. Both machines lost (every process SIGKILLed once the remote holds three
+    checkpoints, both disks deleted); on the remote the newest is left as a kill mid-upload leaves it (no
+    marker, rank 1's file without its own) and rank 1's object of the one before is deleted. Two new nodes with
+    empty disks: the torn upload is no checkpoint, the one that lacks rank 1's file is named and set aside, the
+    one before it downloaded (each rank's file onto its own node's disk, the manifest onto rank 0's),
+    and every rank resumes bitwise; the remote ends with the new run's last checkpoint."""
+    ref = reference(tmp_root, "--fsdp", "--bn")
+    bucket = f"nodes{os.getpid()}"
+    fs = s3.fs()
+    fs.mkdir(bucket)
+    url, args = f"s3://{bucket}/run/", ("--fsdp", "--bn", "--auto", "4", "--keep", "3", "--slow-ms", "100")
+
+    def complete():
+        try:
+            names = {os.path.basename(k.rstrip("/")) for k in fs.ls(f"{bucket}/run", detail=False)}
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if AUTO.match(n) and n + ".done" in names)
+
+    log = open(tmp_path / "first.log", "w")  # noqa: SIM115
+    ps = start_nodes(tmp_path, *args, "--remote", url, env=s3.env(), out=log)
+    t0 = time.monotonic()
+    while len(complete()) < 3:
+        assert all(p.poll() is None for p in ps), (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() - t0 < 240, "no three complete checkpoints on the remote"
+        time.sleep(0.2)
+    kill_nodes(ps)
+    log.close()
+    for n in (0, 1):  # new machines: nothing of the first run's on their disks
+        shutil.rmtree(tmp_path / f"node{n}")
+    *_, older, missing, torn = complete()
+    part = lambda name, r: next(
+        k for k in fs.ls(f"{bucket}/run/{name}", detail=False) if f"shard-0000{r}" in k and not k.endswith(".done")
+    )  # noqa: E731
+    fs.rm([f"{bucket}/run/{torn}.done", part(torn, 1) + ".done"])
+    fs.rm(part(missing, 1))
+
+    rc, outs = two_nodes(tmp_path, *args, "--remote", url, env=s3.env())
+    assert rc == [0, 0], outs
+    assert f"skipping {url}{missing}: rank 1: " in outs[0], outs[0][-3000:]
+    assert f"AutoCheckpoint: downloaded {older}" in outs[0], outs[0][-3000:]
+    assert_exact(ref, results(tmp_path))
+    on = lambda n: [
+        sorted(f.name for f in d.iterdir()) for d in sorted((tmp_path / f"node{n}" / "models").glob("auto-*-i*.frk"))
+    ]  # noqa: E731
+    assert on(1) and all(len(fs_) == 1 and fs_[0].startswith("shard-00001-") for fs_ in on(1))
+    assert all(fs_[0] == "manifest.frk" and fs_[1].startswith("shard-00000-") and len(fs_) == 2 for fs_ in on(0))
+    last = sorted(d.name for d in (tmp_path / "node0" / "models").glob("auto-*-i*.frk"))[-1]
+    assert complete()[-1] == last  # (the positions after `older` saved again: `missing` and `torn` whole now)
+    v = subprocess.run(
+        [sys.executable, "-m", "fastai_resume", "verify", url],
+        capture_output=True,
+        text=True,
+        env=dict(ENV, **s3.env()),
+    )
+    assert v.returncode == 0 and "3 ok, 0 bad" in v.stdout, v.stdout + v.stderr
+    assert "without its marker" not in v.stdout, v.stdout  # nothing left of the torn or given-up uploads
+
+
+def test_an_fsdp2_lora_fine_tune_on_two_nodes_lost_resumes_bitwise_from_each_ranks_uploads(tmp_path, s3):
+    """The fine-tuner's case: a `transformers` model from `from_pretrained`, LoRA from peft, FSDP2 over two nodes
+    whose disks are their own, AutoCheckpoint mirrored to an S3-API server. Each rank's object on the remote
+    holds its part of what trains (the frozen base by fingerprint). Both nodes lost (SIGKILL, disks deleted):
+    two new nodes resume from the remote bitwise on both ranks; on another base both ranks refuse, naming the
+    tensor."""
+    fs = s3.fs()
+    bucket = f"lora{os.getpid()}"
+    fs.mkdir(bucket)
+    url, env = f"s3://{bucket}/run/", s3.env()
+    lora = functools.partial(two_nodes, script="fsdp_lora.py", env=env)
+    rc, outs = lora(tmp_path / "ref")
+    assert rc == [0, 0], outs
+    ref = [fr.load(tmp_path / "ref" / f"node{r}" / f"out.frk.rank{r}") for r in (0, 1)]
+    auto = ("--auto", "2", "--remote", url, "--slow-ms", "100")
+    rc, outs = lora(tmp_path, *auto, "--die-at", "7")
+    assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
+    names = {os.path.basename(k.rstrip("/")) for k in fs.ls(f"{bucket}/run", detail=False)}
+    done = sorted(n for n in names if AUTO.match(n) and n + ".done" in names)
+    assert done, sorted(names)
+    marker = json.loads(fs.cat_file(f"{bucket}/run/{done[-1]}.done"))
+    for r, part in enumerate(marker["parts"]):  # each rank's object: its part of what trains, the base referenced
+        (tmp_path / f"part{r}.frk").write_bytes(fs.cat_file(f"{bucket}/run/{done[-1]}/{part['file']}"))
+        tree = fr.info(tmp_path / f"part{r}.frk", verify=True)["tree"]
+        assert tree["model"] and all("lora_" in k for k in tree["model"]), sorted(tree["model"])
+        assert len(tree["frozen"]) > 10
+    for n in (0, 1):
+        shutil.rmtree(tmp_path / f"node{n}")
+
+    rc, outs = lora(tmp_path / "other", *auto, "--base-seed", "1", timeout=200)  # new nodes, another base
+    assert rc[0] != 0 and rc[1] != 0, outs
+    for out in outs:
+        assert "is not the one this checkpoint was saved with" in out, out[-3000:]
+
+    fresh = tmp_path / "again"  # new nodes, the base
+    rc, outs = lora(fresh, *auto)
+    assert rc == [0, 0], outs
+    assert f"AutoCheckpoint: downloaded {done[-1]}" in outs[0], outs[0][-3000:]
+    for r in (0, 1):
+        res = fr.load(fresh / f"node{r}" / f"out.frk.rank{r}")
+        assert equal(ref[r]["losses"], res["losses"]) and equal(ref[r]["params"], res["params"]), f"rank {r}"

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from fastai_resume import frozen, io, provenance
+from fastai_resume import frozen, provenance
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux's page table")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,20 +41,6 @@ def frozen_params(folder):
     model = AutoModelForCausalLM.from_pretrained(folder)
     model.requires_grad_(False)
     return model, frozen._frozen_params(model)
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    "The bytes the fingerprints read (`io.crc32c_many`), since the last reset."
-    read = [0]
-    real = io.crc32c_many
-
-    def counting(buffers, threads):
-        read[0] += sum(b.nbytes for b in buffers)
-        return real(buffers, threads)
-
-    monkeypatch.setattr(io, "crc32c_many", counting)
-    return read
 
 
 FALLBACK = "maps and pagemap read"

@@ -8,21 +8,24 @@ and augmentation noise, so each rank's own state matters; every comparison is ma
 tests build a 2-rank sharded checkpoint by hand, as docs/FORMAT.md describes one, and run in-process."""
 
 import functools
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 from procs import ENV, FORKS, HERE, equal, kill_job, shared_run, start, torchrun_trainer, trainer_cmd, wait_for_line
+from s3server import Proxy, Server
 from torch import nn
 
 import fastai_resume as fr
-from fastai_resume import io, session, shardfiles, stored
+from fastai_resume import io, objstore, session, shardfiles, stored
 from fastai_resume.__main__ import main as cli
 
 BS = 32
@@ -438,13 +441,97 @@ def test_a_checkpoint_with_a_shard_missing_is_refused_on_every_rank(tmp_root, tm
     assert p.returncode != 0 and out.count("rank 1's file") >= 2, out[-3000:]  # said on both ranks, no hang
 
 
-def test_autocheckpoint_with_a_remote_refuses_a_sharded_fit_before_it_trains(tmp_path):
-    "The mirror uploads one file per checkpoint; a sharded fit's are folders: every rank refuses, nothing trained."
-    remote = f"file://{tmp_path / 'remote'}/"
-    p = launch(2, tmp_path, tmp_path / "res.frk", "--auto", "4", "--remote", remote, ok=False)
-    out = p.stdout + p.stderr
-    assert p.returncode != 0 and out.count("a sharded (FSDP2) fit's are a folder") >= 2, out[-3000:]
-    assert not list(tmp_path.rglob("auto-*")) and not (tmp_path / "remote").exists()
+@pytest.mark.slow
+def test_a_sharded_fits_remote_holds_every_ranks_file_and_a_new_machine_resumes_bitwise(tmp_root, tmp_path):
+    """AutoCheckpoint(remote=...) of a sharded fit: each rank uploads its own file, rank 0 the manifest, and the
+    marker, last, names every rank's file with its size and CRC32C. The machine lost (every rank SIGKILLed, its
+    disk deleted): `verify URL` reads every rank's file, and a new machine with an empty disk downloads the
+    newest checkpoint and resumes bitwise on every rank; its remote ends with its last checkpoint."""
+    ref = reference(tmp_root, 2)
+    remote, m1, m2 = tmp_path / "remote", tmp_path / "machine1", tmp_path / "machine2"
+    url, args = remote.as_uri() + "/", ("--auto", "4", "--slow-ms", "40")
+    for m in (m1, m2):
+        m.mkdir()
+    p = launch(2, m1, m1 / "out.frk", *args, "--remote", url, "--die-at", "1,5", ok=False)
+    assert p.returncode != 0 and "SIGKILL" in p.stdout + p.stderr, p.stdout[-3000:] + p.stderr[-3000:]
+    done = sorted(m.name[: -len(".done")] for m in remote.glob("auto-*-i*.frk.done"))
+    assert done, sorted(x.name for x in remote.iterdir())
+    for name in done:
+        marker = json.loads((remote / (name + ".done")).read_text())
+        objects = sorted(f.name for f in (remote / name).iterdir())
+        shards = [f for f in objects if f.startswith("shard-") and not f.endswith(".done")]
+        assert [part["file"] for part in marker["parts"]] == shards and len(shards) == 2
+        assert "manifest.frk" in objects and marker["world_size"] == 2
+        assert [part["size"] for part in marker["parts"]] == [(remote / name / f).stat().st_size for f in shards]
+    shutil.rmtree(m1)
+    v = subprocess.run([sys.executable, "-m", "fastai_resume", "verify", url], capture_output=True, text=True, env=ENV)
+    assert v.returncode == 0 and f"{len(done)} ok, 0 bad" in v.stdout, v.stdout + v.stderr
+    i = subprocess.run(
+        [sys.executable, "-m", "fastai_resume", "inspect", url + done[-1]], capture_output=True, text=True, env=ENV
+    )
+    assert i.returncode == 0 and "sharded checkpoint of 2 ranks" in i.stdout, i.stdout + i.stderr
+    from trainer import build
+
+    with pytest.raises(ValueError, match="a sharded checkpoint's folder .* AutoCheckpoint\\(remote=...\\) resumes"):
+        objstore.fetch(build(m2), url + done[-1])  # learn.load(URL) of one: said what to do, nothing written
+    assert not (m2 / "models").exists()
+
+    p = launch(2, m2, m2 / "out.frk", *args, "--remote", url)
+    assert f"AutoCheckpoint: downloaded {done[-1]}" in p.stdout, p.stdout[-3000:]
+    assert_same_on_every_rank(ref, ranks(m2 / "out.frk", 2), 2)
+    last = sorted(c.name for c in (m2 / "models").glob("auto-*-i*.frk"))[-1]
+    assert (remote / (last + ".done")).exists() and len(list((remote / last).glob("shard-*.frk"))) == 2
+
+
+@pytest.mark.slow
+def test_a_sharded_fit_goes_on_through_a_remote_outage_and_its_remote_catches_up(tmp_root, tmp_path):
+    """The S3-API server becomes unreachable during a sharded fit (the relay in front of it killed), then comes
+    back: every rank trains on and ends as the uninterrupted run, rank 0 says how far behind the remote is, the
+    ranks' uploads retry, and the remote ends with the run's last checkpoint, every rank's file in it."""
+    server = Server()
+    proxy = Proxy(server.port)
+    try:
+        server.fs().mkdir("outage")
+        url = "s3://outage/run/"
+        env = dict(ENV, PYTHONUNBUFFERED="1", **server.env(proxy.endpoint))
+        cmd = torchrun(2, tmp_path, tmp_path / "out.frk", "--auto", "4", "--slow-ms", "100", "--remote", url)
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list = []
+        reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+        reader.start()
+        fs = server.fs()
+
+        def complete():
+            try:
+                names = {os.path.basename(k.rstrip("/")) for k in fs.ls("outage/run", detail=False)}
+            except FileNotFoundError:
+                return []
+            return sorted(n for n in names if "-i" in n and n.endswith(".frk") and n + ".done" in names)
+
+        def wait_for(cond, what):
+            t0 = time.monotonic()
+            while not cond():
+                assert p.poll() is None, f"the run ended before {what}:" + "".join(lines)[-3000:]
+                assert time.monotonic() - t0 < 300, f"no {what}:" + "".join(lines)[-3000:]
+                time.sleep(0.05)
+
+        wait_for(complete, "a first upload")
+        proxy.stop()
+        wait_for(lambda: "behind" in "".join(lines), "the warning")
+        proxy.start()
+        assert p.wait(600) == 0, "".join(lines)[-3000:]
+        reader.join(30)
+    finally:
+        proxy.stop()
+    try:
+        out = "".join(lines)
+        assert re.search(r"AutoCheckpoint: the remote \S+ is \d+ checkpoints? behind", out), out[-3000:]
+        last = sorted(c.name for c in (tmp_path / "models").glob("auto-*-i*.frk"))[-1]
+        assert complete()[-1] == last, out[-3000:]
+        assert len([k for k in fs.ls(f"outage/run/{last}", detail=False) if k.endswith(".frk.done")]) == 2
+    finally:
+        server.stop()
+    assert_same_on_every_rank(reference(tmp_root, 2), ranks(tmp_path / "out.frk", 2), 2)
 
 
 def _saved_state(tmp_root, n, epoch, k):

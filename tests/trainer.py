@@ -202,6 +202,7 @@ def main(argv=None):
     ap.add_argument("--auto", type=int, default=0, help="AutoCheckpoint every N iterations, with autoresume")
     ap.add_argument("--auto-seconds", type=float, default=None, help="AutoCheckpoint every_seconds")
     ap.add_argument("--auto-sync", action="store_true", help="AutoCheckpoint without background saves")
+    ap.add_argument("--keep", type=int, default=2, help="AutoCheckpoint(keep=...)")
     ap.add_argument("--slow-ms", type=float, default=0, help="sleep this long per batch (to widen kill windows)")
     ap.add_argument("--ballast-mb", type=int, default=0, help="a constant buffer this big in the model (slower saves)")
     ap.add_argument("--fsize-mb", type=int, default=0, help="RLIMIT_FSIZE for this process (a full disk)")
@@ -255,7 +256,7 @@ def main(argv=None):
             fastai_resume.AutoCheckpoint(
                 every_iters=a.auto or None,
                 every_seconds=a.auto_seconds,
-                keep=2,
+                keep=a.keep,
                 background=not a.auto_sync,
                 on_error=a.on_error,
                 **(dict(remote=a.remote, remote_wait=a.remote_wait) if a.remote else {}),
@@ -343,6 +344,9 @@ def train(learn, a, fit_cbs):
             learn.fit(a.epochs, 1e-3, cbs=fit_cbs)
         elif a.method == "fine_tune":
             learn.fine_tune(a.epochs, 1e-2, freeze_epochs=1, cbs=fit_cbs)
+        elif a.method == "two_stages":  # two training calls of the script: stage 0's end is a file of its own
+            learn.fit_one_cycle(1, 1e-2, cbs=fit_cbs)
+            learn.fit_one_cycle(a.epochs, 1e-3, cbs=fit_cbs)
 
 
 if __name__ == "__main__":
