@@ -476,16 +476,14 @@ def _resume_point(cb: AutoCheckpoint, run: AutosaveRun, wanted: bool) -> Path | 
     files.near = dist.sees_rank0("AutoCheckpoint: the ranks on rank 0's disk", cb.folder) if together else None
     if together and cb.remote is not None:
         dist.together("AutoCheckpoint: its folder and remote", lambda: open_folder() if dist.rank() == 0 else None)
-        if dist.rank() != 0:
-            mirror()  # (this rank's uploads: after rank 0 has the lease)
+        dist.together("AutoCheckpoint: each rank's uploads", lambda: mirror() if dist.rank() != 0 else None)
         if wanted:
-            newest = [p.name for p in files.checkpoints()][-1:] if dist.rank() == 0 else []
             assert cb._mirror is not None
-            _remote.resume_sharded(cb._mirror.run, newest[0] if newest else None)
+            _remote.resume_sharded(cb._mirror.run)
     p, choose = dist.together("AutoCheckpoint: its folder", lambda: in_folder() if dist.rank() == 0 else (None, None))
     choose = dist.exchange("AutoCheckpoint: this run's checkpoints", choose)[0] if files.node_local() else None
     if choose is not None:
-        p = files.latest_valid_together(choose)
+        p = files.latest_valid_together(choose, mirrored=cb.remote is not None)
         if p is not None:
             run.attempt = files.attempt_of(p)
             _retain(files, every_rank=True)  # a run killed between a commit and its retention

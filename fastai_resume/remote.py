@@ -83,6 +83,10 @@ def _age(seconds: float) -> str:
     return f"{s} s" if s < 120 else f"{s // 60} min {s % 60} s" if s < 7200 else f"{s // 3600} h {s % 3600 // 60} min"
 
 
+class Gone(FileNotFoundError):
+    "A checkpoint (or this rank's file of it) that local retention removed before it was up: dropped, not retried."
+
+
 class Superseded(Exception):
     "A sharded checkpoint's marker not written yet: a newer checkpoint is due, or the end's wait is over."
 
@@ -157,14 +161,14 @@ class RemoteRun:
         m = self.manifest(name)
         dest = self.folder / name
         if "parts" in m:
-            ranks = range(m["world_size"])
+            files = [dest / p["file"] for p in m["parts"]] + [dest / MANIFEST]
             try:
-                n = download_parts(self.fs, self.root, dest, m, ranks)
+                n = download_parts(self.fs, self.root, dest, m, range(m["world_size"]))
                 ends = fetch_ends(self.fs, self.root, self.url, dest / m["parts"][0]["file"], _known(m), self.folder)
                 n += download_manifest(self.fs, self.root, dest, m)
                 shardfiles.verify(dest)
             except BaseException:
-                _discard(dest, m, ranks)
+                _discard(dest, files)  # (a name newer than any here: nothing of it was on this disk)
                 raise
         else:
             try:
@@ -220,8 +224,8 @@ class Publisher:
     def _publish_folder(self, path: Path, superseded) -> None:
         "A sharded checkpoint (rank 0): its file (`publish_part`), its manifest, the stage ends, every rank's file."
         name, key = path.name, self.run.key
-        if not (path / MANIFEST).exists():  # (local retention removed it: a newer one is due)
-            raise FileNotFoundError(None, f"{path}: gone")
+        if not (path / MANIFEST).exists():  # (local retention removes it, the manifest first)
+            raise Gone(None, f"{path}: gone")
         m = shardfiles.read_manifest(path)
         n, token = m["world_size"], m["token"]
         ls = self.run.listing()
@@ -234,6 +238,12 @@ class Publisher:
         _read_back(self.fs, key(f"{name}/{MANIFEST}"), size, crc, f"{self.url}{name}/{MANIFEST}")
         ends = [self._end(file, t, ls) for file, t in ends_named(path / shardfiles.shard_name(0, n, token))]
         parts = self._parts(name, [shardfiles.shard_name(r, n, token) for r in range(n)], superseded)
+        for r, part in enumerate(parts):
+            if part["size"] != m["shards"][r]["size"]:
+                raise CheckpointError(
+                    f"{self.url}{name}/{part['file']}: {part['size']:,} bytes uploaded, the manifest says "
+                    f"{m['shards'][r]['size']:,}"
+                )
         marker = {"name": name, "size": size, "crc32c": crc, "ends": [e for e in ends if e is not None]}
         self._complete({**marker, "world_size": n, "token": token, "parts": parts}, ls)
 
@@ -271,6 +281,8 @@ class Publisher:
                     p = parse_marker(self.fs.cat_file(self.run.key(f"{name}/{f}{MARKER}")), f, where)
                     parts.append({"file": f, "size": p["size"], "crc32c": p["crc32c"]})
                 return parts
+            if not self.run.folder.joinpath(name, MANIFEST).exists():  # (removed here: dropped, as the others)
+                raise Gone(None, f"{self.run.folder / name}: gone")
             if superseded():
                 ranks = ", ".join(f"rank {r}'s" for r in missing)
                 raise Superseded(f"the remote lacks {ranks} file of {name} (not uploaded yet)")
@@ -385,8 +397,8 @@ def publish_part(run: RemoteRun, path: Path, rank: int) -> None:
     back and checked, then its marker `NAME/<file>.done` (size, CRC32C), which rank 0's marker of the whole
     checkpoint waits for. Already there with the same bytes: nothing sent."""
     mine = [p for p in path.iterdir() if (m := shardfiles.SHARD_FILE.match(p.name)) and int(m[1]) == rank]
-    if not mine:  # (local retention removed it: a newer one is due)
-        raise FileNotFoundError(None, f"{path}: rank {rank}'s file is gone")
+    if not mine:  # (local retention removed it)
+        raise Gone(None, f"{path}: rank {rank}'s file is gone")
     if len(mine) != 1:
         raise CheckpointError(f"{path}: {len(mine)} files of rank {rank} in it, expected one")
     file, key = mine[0], run.key(f"{path.name}/{mine[0].name}")
@@ -520,8 +532,10 @@ class Uploader:
                 continue
             except Exception as e:
                 with self.cond:
-                    if isinstance(e, FileNotFoundError) and self.want != path:
-                        continue  # local retention removed it: a newer one is due
+                    if isinstance(e, Gone) or (isinstance(e, FileNotFoundError) and not path.exists()):  # removed here
+                        if self.want == path:  # (a sharded fit's: no newer one is handed over until every rank
+                            self.want = None  # is idle, which this one is now)
+                        continue
                     first = self.behind_since is None
                     self.error = e
                     if first:
@@ -712,91 +726,110 @@ def mirror_for(url, options, folder: Path, fname: str, run_id: str, keep: int, w
     return m
 
 
-def resume_sharded(run: RemoteRun, newest_local: str | None) -> str | None:
-    """A sharded fit's start, on every rank together: the newest checkpoint complete on the remote and newer than
-    `newest_local` (rank 0's newest local one) downloaded, each rank the files of ranks r, r + world, ... (at the
-    saved world size its own) onto its own disk, then rank 0 the stage-end files it names and its manifest, last.
-    One whose files do not match its marker, or lack one, is said and set aside on the remote (the files this
-    download wrote removed), and the one before it tried; the remote unreachable, or a disk failing, stops every
-    rank before training. Returns the name downloaded (None: none newer)."""
+def resume_sharded(run: RemoteRun) -> str | None:
+    """A sharded fit's start, on every rank together: what each disk lacks of the newest checkpoint complete on
+    the remote, downloaded: each rank the files of ranks r, r + world, ... (at the saved world size its own) its
+    disk does not hold, then rank 0 the stage-end files it names and, where its disk lacks it, the manifest,
+    last (a checkpoint every disk holds whole is not downloaded at all: the common case). One whose files do not
+    match its marker, or lack one, is said and set aside on the remote (the files this download wrote of it
+    removed, nothing else), and the one before it tried; the remote unreachable, or a disk failing, stops every
+    rank before training. Returns the name made whole (None: none on the remote)."""
     rank, world, t0 = dist.rank(), dist.world(), time.perf_counter()
 
     def each(step: str, fn, only0: bool = False) -> list:
-        "Every rank's outcome of `fn()` at `step`: ('ok', value), ('bad', why: this copy) or ('down', why)."
+        "Every rank's outcome of `fn()` at `step`: ['ok', value], ['bad', why] (this copy), or raise on every rank."
         out: list = ["ok", None]
         if rank == 0 or not only0:
             try:
                 out = ["ok", fn()]
-            except (CheckpointError, FileNotFoundError) as e:
+            except (CheckpointError, FileNotFoundError) as e:  # (the remote's copy: not what was uploaded, or gone)
                 out = ["bad", reason(e)]
-            except Exception as e:  # the network (or this disk): the remote's copy may be fine
+            except Exception as e:  # the network, or this machine's disk (full, read-only): the copy may be fine
                 out = ["down", reason(e)]
         rows = dist.exchange(f"AutoCheckpoint: {step}", out)
         down = [f"rank {r}: {why}" for r, (k, why) in enumerate(rows) if k == "down"]
         if down:
             raise RemoteError(
                 None,
-                f"AutoCheckpoint: could not read {step} from {run.url} ({'; '.join(down)}); run the script again "
-                "once the remote is reachable: training has not started",
+                f"AutoCheckpoint: could not get {step} from {run.url} onto every rank's disk ({'; '.join(down)}); "
+                "run the script again once the remote is reachable and the disks have room: training has not started",
             )
         return rows
 
     def bad(rows) -> str | None:
         return "; ".join(f"rank {r}: {why}" for r, (k, why) in enumerate(rows) if k == "bad") or None
 
-    rows = each("its checkpoints", lambda: [n for n in reversed(run.complete()) if n > (newest_local or "")], True)
+    rows = each("its checkpoints", lambda: list(reversed(run.complete())), True)
     if bad(rows):  # (a listing that failed otherwise than by the network)
         raise RemoteError(None, f"AutoCheckpoint: could not list {run.url}: {bad(rows)}")
     for name in rows[0][1]:
-        dest, got = run.folder / name, 0
-        mine: range = range(0)
+        dest, wrote = run.folder / name, []
         rows = each(f"{name}'s marker", lambda: run.manifest(name), True)  # noqa: B023
         why, marker = bad(rows), rows[0][1]
         if why is None and "parts" not in marker:
             say(f"AutoCheckpoint: skipping {run.url}{name}: one file, not a sharded checkpoint's folder")
             continue
+
+        def lacking(ranks) -> int:  # this disk's missing files of `ranks`, downloaded (checked against the marker)
+            got = 0
+            for r in ranks:
+                part = marker["parts"][r]  # noqa: B023
+                target = dest / part["file"]  # noqa: B023
+                if not _held(target, part["size"]):
+                    got += download(run.fs, f"{run.root}/{name}/{part['file']}", target, part)[0]  # noqa: B023
+                    wrote.append(target)  # noqa: B023
+            return got
+
+        def last() -> int:  # the stage ends its training state names (beside the checkpoints), then the manifest
+            own = dest / marker["parts"][0]["file"]  # noqa: B023
+            fetch_ends(run.fs, run.root, run.url, own, _known(marker), into=run.folder)  # noqa: B023
+            if _held(dest / MANIFEST, marker["size"]):  # noqa: B023
+                return 0
+            wrote.append(dest / MANIFEST)  # noqa: B023
+            return download_manifest(run.fs, run.root, dest, marker)  # noqa: B023
+
+        got = 0
         try:
             if why is None:
-                mine = range(rank, marker["world_size"], world)
-                rows = each(f"{name}'s files", lambda: download_parts(run.fs, run.root, dest, marker, mine))  # noqa: B023
+                rows = each(f"{name}'s files", lambda: lacking(range(rank, marker["world_size"], world)))  # noqa: B023
                 why, got = bad(rows), sum(n for _, n in rows if isinstance(n, int))
             if why is None:
-
-                def last():  # the stage ends its training state names (beside the checkpoints), then the manifest
-                    own = dest / marker["parts"][0]["file"]  # noqa: B023
-                    fetch_ends(run.fs, run.root, run.url, own, _known(marker), into=run.folder)  # noqa: B023
-                    return download_manifest(run.fs, run.root, dest, marker)  # noqa: B023
-
                 rows = each(f"{name}'s manifest", last, True)
-                why = bad(rows)
+                why, got = bad(rows), got + (rows[0][1] or 0)
         except BaseException:
-            _discard(dest, marker, mine)
+            _discard(dest, wrote)
             raise
         if why is None:
-            if rank == 0:
+            if rank == 0 and got:
                 print(
-                    f"AutoCheckpoint: downloaded {name} from {run.url} ({got:,} bytes in {marker['world_size']} "
-                    f"ranks' files and its manifest, onto each rank's disk; {time.perf_counter() - t0:.1f} s; "
+                    f"AutoCheckpoint: downloaded {name} from {run.url} ({got:,} bytes: what each rank's disk lacked "
+                    f"of its {marker['world_size']} ranks' files and manifest; {time.perf_counter() - t0:.1f} s; "
                     "checksums verified)",
                     flush=True,
                 )
             return name
-        _discard(dest, marker, mine)
+        _discard(dest, wrote)
         if rank == 0:
             say(f"AutoCheckpoint: skipping {run.url}{name}: {why}")
             run.set_aside(name)
     return None
 
 
+def _held(path: Path, size: int) -> bool:
+    "A file this disk holds already, of the size the marker says (its bytes are checked as the resume chooses)."
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
 def _known(marker: dict) -> dict:
     return {e["key"]: e for e in marker["ends"]}
 
 
-def _discard(dest: Path, marker, ranks) -> None:
-    "What a download that was given up wrote of a sharded checkpoint: the files of `ranks`, its manifest."
-    if not isinstance(marker, dict) or "parts" not in marker:
-        return
-    for p in [dest / marker["parts"][r]["file"] for r in ranks] + [dest / MANIFEST]:
+def _discard(dest: Path, wrote: list) -> None:
+    "What a download that was given up wrote (those files only: what the disk held before stays), its folder if empty."
+    for p in wrote:
         with contextlib.suppress(OSError):
             p.unlink()
     with contextlib.suppress(OSError):

@@ -22,6 +22,7 @@ from typing import IO
 from . import dist, io, loaders, shardfiles, store, stored
 from .io import CheckpointError
 from .paths import MANIFEST
+from .script import say
 
 __all__ = ["RunFolder", "RunLock", "run_identity"]
 
@@ -97,13 +98,15 @@ class RunFolder:
                 continue
         return None
 
-    def latest_valid_together(self, names) -> Path | None:
+    def latest_valid_together(self, names, mirrored: bool = False) -> Path | None:
         """Under torch.distributed, a sharded fit's choice, on every rank: the newest of rank 0's checkpoints
         `names` (newest first) whose every file verifies. Where the nodes' disks are their own, rank 0's holds
         the manifest and each rank's file is on its own node's: the manifest is sent to the ranks whose disk
         lacks it and the files are checked where they are (rank r those of ranks r, r + world, ...), so each
         node's ranks find their files; one proven corrupt sets that checkpoint aside on every disk that holds
-        it, one missing (ranks placed on other nodes than when it was saved) is refused on every rank."""
+        it, one missing (ranks placed on other nodes than when it was saved) is refused on every rank; where the run is
+        `mirrored` (its remote's newest was made whole on every disk first: `remote.resume_sharded`), one missing is
+        passed over, said, for the one before it."""
         world, rank = dist.world(), dist.rank()
         for name in names:
             p = self.folder / name
@@ -121,6 +124,10 @@ class RunFolder:
             missing = [(r, f) for r, f, why in bad if why == shardfiles.MISSING]
             if missing:
                 lacks = "; ".join(f"rank {r}'s file {f} is not on its node's disk" for r, f in missing)
+                if mirrored:  # (newer than the remote's newest, which every disk holds now: an older one is taken)
+                    if rank == 0:
+                        say(f"AutoCheckpoint: passing over {name}: {lacks}, nor on the remote")
+                    continue
                 raise CheckpointError(f"AutoCheckpoint: {p}: {lacks}. {_NOT_TOGETHER}")
             r, f, why = bad[0]
             if self.near is None or rank == 0 or not self.near[rank]:  # each disk's copy, once

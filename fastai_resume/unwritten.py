@@ -3,23 +3,25 @@
 A frozen base that is not a file's pages (`provenance`): a copy in another dtype (`model.to(torch.bfloat16)`),
 a state dict `torch.load`ed into it, weights built in memory, is read whole by each fingerprint pass. Linux
 (6.7 or newer) can say instead which pages of a range were written since they were write-protected, without
-stopping any write: userfaultfd's asynchronous write protection (`UFFD_FEATURE_WP_ASYNC`: the first write to
-a protected page, by any thread of the process or by the kernel on its behalf, a `read()` into it, just
-clears that page's protection, in the kernel) and the PAGEMAP_SCAN ioctl, which lists the pages of a range
-whose protection is gone (`PAGE_IS_WRITTEN`). So a tensor's whole pages are protected, then its bytes read
-(their CRC32C); at the next fingerprint, a scan that finds none of those pages written and every one still
-there (a page dropped, `MADV_DONTNEED`, reads as zeros though nothing wrote it: it counts as written), and
-the bytes of its first and last pages that are not whole pages of it equal to a copy kept (a few KB), prove
-its bytes are the ones read: their CRC32C is known, not read. Anything else (a page written, the same bytes
-or not; a scan that fails; another process: a forked child) and the tensor is read again, protected first.
+stopping any write (x86-64; arm64 from Linux 6.10): userfaultfd's asynchronous write protection
+(`UFFD_FEATURE_WP_ASYNC`: the first write to a protected page, by any thread of the process or by the kernel
+on its behalf, a `read()` into it, just clears that page's protection, in the kernel) and the PAGEMAP_SCAN
+ioctl, which lists the pages of a range whose protection is gone (`PAGE_IS_WRITTEN`). So a tensor's whole
+pages are protected, then its bytes read (their CRC32C); at the next fingerprint, a scan that finds none of
+those pages written and every one still there (a page dropped, `MADV_DONTNEED`, reads as zeros though nothing
+wrote it: it counts as written), and the bytes of its first and last pages that are not whole pages of it
+equal to a copy kept (a few KB), prove its bytes are the ones read: their CRC32C is known, not read. Anything
+else (a page written, the same bytes or not; a scan that fails; another process: a forked child) and the
+tensor is read again, protected first.
 
     crcs(tensors, read)   {name: CRC32C}: those proven unwritten known, the rest by `read(names)`, and tracked
 
 Tracked: contiguous CPU tensors of at least `MIN_BYTES` (`FASTAI_RESUME_WRITE_TRACKING=N`: of N bytes; `0`:
 none) in this process's private anonymous memory (`provenance.anonymous`: not a file's pages, which a write to
 the file changes under a private mapping, nor memory shared with another process, which writes through its own
-page tables: those are read each time), not pinned for a device (a device's DMA into memory pinned for it does
-not go through the page tables either). Unprivileged (`UFFD_USER_MODE_ONLY`). Where it is not there (not Linux, a kernel
+page tables: those are read each time), not pinned for a CUDA device (`is_pinned`). Not seen: a device writing
+by DMA into memory pinned for it by other means (an RDMA registration, io_uring's fixed buffers): a frozen
+base is not such memory. Unprivileged (`UFFD_USER_MODE_ONLY`). Where it is not there (not Linux, a kernel
 before 6.7, a seccomp profile that forbids userfaultfd): every such tensor is read, as before.
 """
 
@@ -29,6 +31,7 @@ import ctypes
 import os
 import platform
 import struct
+import threading
 
 import numpy as np
 import torch
@@ -154,9 +157,17 @@ def _edges(b: np.ndarray, addr: int, lo: int, hi: int) -> bytes:
     return b[: lo - addr].tobytes() + b[hi - addr :].tobytes()
 
 
+_LOCK = threading.Lock()  # (one fingerprint pass at a time: what is known, and what protecting forgets)
+
+
 def crcs(tensors: dict, read) -> dict:
     """`{name: CRC32C}` of CPU tensors, in their order: where a tensor is tracked and proven unwritten since its
     CRC32C was read, that CRC; the rest by `read(names) -> [crc, ...]`, each trackable one write-protected first."""
+    with _LOCK:
+        return _crcs(tensors, read)
+
+
+def _crcs(tensors: dict, read) -> dict:
     out: dict = {}
     ready = _T.ready() and any(_trackable(t) for t in tensors.values())
     if ready:
@@ -180,6 +191,9 @@ def crcs(tensors: dict, read) -> dict:
         lo, hi = _span(addr, n)
         if hi > lo and provenance.anonymous(lo, hi) and _T.protect(lo, hi):  # before the read: writes are seen
             tracked[k] = (addr, n, lo, hi, _edges(_view(t), addr, lo, hi))
+            for key, seen in list(_T.known.items()):  # protecting again erased the pages' evidence of a write:
+                if seen[1] < hi and lo < seen[2]:  # what was known of them (another view of the same bytes) goes
+                    del _T.known[key]
     got = dict(zip(todo, read(todo))) if todo else {}
     if len(_T.known) > 100_000:  # (tensors long freed: forget them all, read once more)
         _T.known.clear()

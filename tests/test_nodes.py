@@ -287,6 +287,21 @@ def test_fsdp2_autocheckpoint_on_node_local_disks_resumes_each_rank_from_its_own
     )
 
 
+def test_fsdp2_one_node_replaced_resumes_exactly_from_the_remote(tmp_root, tmp_path):
+    """Node 1 lost, node 0 kept its disk: the rerun takes from the remote what node 1's new disk lacks of the
+    remote's newest checkpoint (rank 1's file), passes over newer ones node 0 alone holds, and every rank resumes
+    bitwise."""
+    ref = reference(tmp_root, "--fsdp", "--bn")
+    args = ("--fsdp", "--bn", "--auto", "4", "--slow-ms", "40", "--remote", (tmp_path / "remote").as_uri() + "/")
+    rc, outs = two_nodes(tmp_path, *args, "--die-at", "1,5")
+    assert all(c != 0 for c in rc) and "SIGKILL" in "".join(outs), outs
+    shutil.rmtree(tmp_path / "node1")
+    rc, outs = two_nodes(tmp_path, *args)
+    assert rc == [0, 0], outs
+    assert "AutoCheckpoint: downloaded" in outs[0] and "what each rank's disk lacked" in outs[0], outs[0][-3000:]
+    assert_exact(ref, results(tmp_path))
+
+
 @pytest.fixture(scope="module")
 def s3():
     server = Server()

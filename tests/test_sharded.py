@@ -486,15 +486,16 @@ def test_a_sharded_fits_remote_holds_every_ranks_file_and_a_new_machine_resumes_
 @pytest.mark.slow
 def test_a_sharded_fit_goes_on_through_a_remote_outage_and_its_remote_catches_up(tmp_root, tmp_path):
     """The S3-API server becomes unreachable during a sharded fit (the relay in front of it killed), then comes
-    back: every rank trains on and ends as the uninterrupted run, rank 0 says how far behind the remote is, the
-    ranks' uploads retry, and the remote ends with the run's last checkpoint, every rank's file in it."""
+    back: every rank trains on and ends as the uninterrupted run, each rank says how far behind its uploads are,
+    the ranks' uploads retry and catch up while training goes on (checkpoints removed locally meanwhile are
+    dropped, not retried), and the remote ends with the run's last checkpoint, every rank's file in it."""
     server = Server()
     proxy = Proxy(server.port)
     try:
         server.fs().mkdir("outage")
         url = "s3://outage/run/"
         env = dict(ENV, PYTHONUNBUFFERED="1", **server.env(proxy.endpoint))
-        cmd = torchrun(2, tmp_path, tmp_path / "out.frk", "--auto", "4", "--slow-ms", "100", "--remote", url)
+        cmd = torchrun(2, tmp_path, tmp_path / "out.frk", "--auto", "4", "--slow-ms", "300", "--remote", url)
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: list = []
         reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
@@ -517,8 +518,12 @@ def test_a_sharded_fit_goes_on_through_a_remote_outage_and_its_remote_catches_up
 
         wait_for(complete, "a first upload")
         proxy.stop()
+        before = complete()[-1]
         wait_for(lambda: "behind" in "".join(lines), "the warning")
         proxy.start()
+        wait_for(lambda: complete()[-1] > before, "an upload after the outage")
+        training = "".join(lines)
+        assert "behind" in training and "(waiting up to" not in training, training[-3000:]  # both while it trains
         assert p.wait(600) == 0, "".join(lines)[-3000:]
         reader.join(30)
     finally:
