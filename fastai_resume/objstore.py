@@ -41,6 +41,7 @@ __all__ = [
     "remote_crc",
     "download",
     "download_parts",
+    "held",
     "download_manifest",
     "local_crc",
     "ends_named",
@@ -269,15 +270,29 @@ def parse_marker(raw: bytes, name: str, where: str) -> dict:
     return m
 
 
-def download_parts(fs, root: str, dest: Path, marker: dict, ranks) -> int:
+def download_parts(fs, root: str, dest: Path, marker: dict, ranks, wrote: list | None = None) -> int:
     """The files of ranks `ranks` of the sharded checkpoint whose marker is `marker`, from the remote folder
     `root` (`NAME/<file>`) into the local folder `dest` (`dest/<file>`), each checked against the marker. Returns
-    the bytes downloaded. A file that does not match is `CheckpointError`, one missing `FileNotFoundError`."""
+    the bytes downloaded. A file that does not match is `CheckpointError`, one missing `FileNotFoundError`.
+    `wrote`: a file `dest` holds already (of the marker's size) is kept, and those downloaded are listed there."""
     got = 0
     for r in ranks:
         part = marker["parts"][r]
-        got += download(fs, f"{root}/{marker['name']}/{part['file']}", dest / part["file"], part)[0]
+        target = dest / part["file"]
+        if wrote is not None and held(target, part["size"]):
+            continue
+        got += download(fs, f"{root}/{marker['name']}/{part['file']}", target, part)[0]
+        if wrote is not None:
+            wrote.append(target)
     return got
+
+
+def held(path: Path, size: int) -> bool:
+    "A file this disk holds already, of the size a marker says (its bytes are checked as the resume chooses)."
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
 
 
 def download_manifest(fs, root: str, dest: Path, marker: dict) -> int:

@@ -148,17 +148,18 @@ class _Maps:
         return self.anon[i][1]
 
 
-def anonymous(lo: int, hi: int) -> bool:
-    """Whether all of [lo, hi) is this process's private anonymous memory: no file's pages (a file's can change
-    under a private mapping, by a write to the file), none shared with another process (which writes through
-    its own page tables)."""
-    if fcntl is None:
-        return False
+def anonymous(ranges: list) -> list:
+    """For each range [lo, hi): whether all of it is this process's private anonymous memory: no file's pages (a
+    file's can change under a private mapping, by a write to the file), none shared with another process (which
+    writes through its own page tables). The mappings are asked once for all of them."""
+    if fcntl is None or not ranges:
+        return [False] * len(ranges)
     try:
         maps = _Maps()
     except OSError:
-        return False
-    try:
+        return [False] * len(ranges)
+
+    def covered(lo: int, hi: int) -> bool:
         at = lo
         while at < hi:
             end = maps.private_anonymous(at)
@@ -166,6 +167,9 @@ def anonymous(lo: int, hi: int) -> bool:
                 return False
             at = end
         return True
+
+    try:
+        return [covered(lo, hi) for lo, hi in ranges]
     finally:
         maps.close()
 

@@ -63,6 +63,7 @@ from .objstore import (
     ends_named,
     fetch_ends,
     filesystem,
+    held,
     is_local,
     local_crc,
     parse_marker,
@@ -105,12 +106,13 @@ class RemoteRun:
     def key(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def listing(self) -> dict:
-        "name -> size of every object in the remote folder (fresh: no listing cache)."
+    def listing(self, under: str = "") -> dict:
+        "name -> size of every object in the remote folder, or its folder `under` (fresh: no listing cache)."
+        where = self.key(under) if under else self.root
         with contextlib.suppress(Exception):
-            self.fs.invalidate_cache(self.root)
+            self.fs.invalidate_cache(where)
         try:
-            entries = self.fs.ls(self.root, detail=True)
+            entries = self.fs.ls(where, detail=True)
         except FileNotFoundError:
             return {}
         return {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0) for e in entries}
@@ -119,6 +121,10 @@ class RemoteRun:
         "The object `name`, or every object under `NAME/` (a sharded checkpoint's folder); gone already is fine."
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.key(name), recursive=True)
+
+    def unmarked(self, ls: dict) -> list:
+        "This run's checkpoints in the listing `ls` without a marker, nor set aside: uploads not complete."
+        return [n for n in ls if self.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls]
 
     def complete(self, listing: dict | None = None) -> list:
         "This run's checkpoints complete on the remote (data and marker), oldest first."
@@ -267,12 +273,7 @@ class Publisher:
         (`publish_part`), once every rank's is there; `Superseded` if `superseded()` says first that it need not be."""
         pause = 0.1
         while True:
-            with contextlib.suppress(Exception):
-                self.fs.invalidate_cache(self.run.key(name))
-            try:
-                have = {posixpath.basename(k.rstrip("/")) for k in self.fs.ls(self.run.key(name), detail=False)}
-            except FileNotFoundError:
-                have = set()
+            have = self.run.listing(name)
             missing = [r for r, f in enumerate(files) if f + MARKER not in have]
             if not missing:
                 parts = []
@@ -354,8 +355,8 @@ class Publisher:
             self.lease.fence()
             for n in (name + MARKER, name):
                 self.run.remove(n)
-        for n in ls:
-            if done and n < done[-1] and self.run.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls:
+        for n in self.run.unmarked(ls):
+            if done and n < done[-1]:
                 self.run.remove(n)
         named = set()
         for name in done[-self.keep :]:
@@ -378,8 +379,9 @@ class Publisher:
                     m = END_KEY.match(e["key"])
                     if m and m["file"] == e["file"]:  # uploaded already: not again (`_end`)
                         self.ends[(e["file"], int(m["token"], 16))] = e
+        orphans = set(self.run.unmarked(ls))
         for n in ls:
-            orphan = self.run.pattern.match(n) and n + MARKER not in ls and n + CORRUPT not in ls
+            orphan = n in orphans
             m = END_KEY.match(n)
             torn = TMP_NAME.search(n) and n.lstrip(".").startswith(self.run.prefix[:-1])  # a killed `put_whole`'s
             if orphan or torn or (m and n.startswith(self.run.prefix) and n not in named):
@@ -770,20 +772,10 @@ def resume_sharded(run: RemoteRun) -> str | None:
             say(f"AutoCheckpoint: skipping {run.url}{name}: one file, not a sharded checkpoint's folder")
             continue
 
-        def lacking(ranks) -> int:  # this disk's missing files of `ranks`, downloaded (checked against the marker)
-            got = 0
-            for r in ranks:
-                part = marker["parts"][r]  # noqa: B023
-                target = dest / part["file"]  # noqa: B023
-                if not _held(target, part["size"]):
-                    got += download(run.fs, f"{run.root}/{name}/{part['file']}", target, part)[0]  # noqa: B023
-                    wrote.append(target)  # noqa: B023
-            return got
-
         def last() -> int:  # the stage ends its training state names (beside the checkpoints), then the manifest
             own = dest / marker["parts"][0]["file"]  # noqa: B023
             fetch_ends(run.fs, run.root, run.url, own, _known(marker), into=run.folder)  # noqa: B023
-            if _held(dest / MANIFEST, marker["size"]):  # noqa: B023
+            if held(dest / MANIFEST, marker["size"]):  # noqa: B023
                 return 0
             wrote.append(dest / MANIFEST)  # noqa: B023
             return download_manifest(run.fs, run.root, dest, marker)  # noqa: B023
@@ -791,7 +783,8 @@ def resume_sharded(run: RemoteRun) -> str | None:
         got = 0
         try:
             if why is None:
-                rows = each(f"{name}'s files", lambda: lacking(range(rank, marker["world_size"], world)))  # noqa: B023
+                mine = range(rank, marker["world_size"], world)  # (those this disk lacks: `wrote` lists them)
+                rows = each(f"{name}'s files", lambda: download_parts(run.fs, run.root, dest, marker, mine, wrote))  # noqa: B023
                 why, got = bad(rows), sum(n for _, n in rows if isinstance(n, int))
             if why is None:
                 rows = each(f"{name}'s manifest", last, True)
@@ -813,14 +806,6 @@ def resume_sharded(run: RemoteRun) -> str | None:
             say(f"AutoCheckpoint: skipping {run.url}{name}: {why}")
             run.set_aside(name)
     return None
-
-
-def _held(path: Path, size: int) -> bool:
-    "A file this disk holds already, of the size the marker says (its bytes are checked as the resume chooses)."
-    try:
-        return path.stat().st_size == size
-    except OSError:
-        return False
 
 
 def _known(marker: dict) -> dict:

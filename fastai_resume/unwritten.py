@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from . import provenance
+from .provenance import _IS_PRESENT, _IS_SWAPPED, _PAGE, _PAGEMAP_SCAN, _REGION, _SCAN_ARG
 
 try:
     import fcntl
@@ -47,7 +48,6 @@ __all__ = ["crcs", "available", "stats", "ENV", "MIN_BYTES"]
 
 ENV = "FASTAI_RESUME_WRITE_TRACKING"  # "0": nothing tracked; "N": tensors of N bytes or more
 MIN_BYTES = 1 << 16  # smaller tensors are read (by default): a few pages, less than the scans would cost
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _SYSCALL = {"x86_64": 323, "aarch64": 282, "riscv64": 282}.get(platform.machine())  # userfaultfd(2)
 
 
@@ -61,9 +61,7 @@ _UFFDIO_API = _iowr(0xAA, 0x3F, _API.size)
 _UFFDIO_REGISTER = _iowr(0xAA, 0x00, _RANGE_MODE_IOCTLS.size)
 _UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x06, _RANGE_MODE.size)
 _USER_MODE_ONLY, _WP_UNPOPULATED, _WP_ASYNC, _MODE_WP = 1, 1 << 13, 1 << 15, 1 << 1
-_SCAN_ARG, _REGION = struct.Struct("<12Q"), struct.Struct("<3Q")  # struct pm_scan_arg, struct page_region
-_PAGEMAP_SCAN = _iowr(ord("f"), 16, _SCAN_ARG.size)
-_WRITTEN, _PRESENT, _SWAPPED = 1 << 1, 1 << 3, 1 << 4
+_WRITTEN = 1 << 1  # PAGE_IS_WRITTEN (PAGEMAP_SCAN's layout and its other categories: `provenance`'s)
 _CHECK_WPASYNC = 1 << 1  # the scan fails (EPERM) where a page of the range is not under asynchronous protection
 
 
@@ -114,7 +112,8 @@ class _Tracker:
         """Whether every page of [lo, hi) is still protected and still there (present or swapped out): nothing
         wrote it since `protect`, nothing dropped it."""
         vec = ctypes.create_string_buffer(_REGION.size)
-        for inverted, mask in ((0, _WRITTEN), (_PRESENT | _SWAPPED, _PRESENT | _SWAPPED)):  # written; dropped
+        there = _IS_PRESENT | _IS_SWAPPED
+        for inverted, mask in ((0, _WRITTEN), (there, there)):  # written; dropped (neither present nor swapped)
             arg = _SCAN_ARG.pack(_SCAN_ARG.size, _CHECK_WPASYNC, lo, hi, 0, ctypes.addressof(vec), 1, 0, inverted,
                                  mask, 0, mask)  # fmt: skip
             try:
@@ -183,13 +182,13 @@ def _crcs(tensors: dict, read) -> dict:
                 del _T.known[(addr, n)]
     todo = [k for k in tensors if k not in out]
     tracked: dict = {}
-    for k in todo if ready else ():
+    spans = {k: _span(tensors[k].data_ptr(), tensors[k].numel() * tensors[k].element_size()) for k in todo}
+    spans = {k: (lo, hi) for k, (lo, hi) in spans.items() if ready and hi > lo and _trackable(tensors[k])}
+    anonymous = dict(zip(spans, provenance.anonymous(list(spans.values()))))
+    for k, (lo, hi) in spans.items():
         t = tensors[k]
-        if not _trackable(t):
-            continue
         addr, n = t.data_ptr(), t.numel() * t.element_size()
-        lo, hi = _span(addr, n)
-        if hi > lo and provenance.anonymous(lo, hi) and _T.protect(lo, hi):  # before the read: writes are seen
+        if anonymous[k] and _T.protect(lo, hi):  # before the read: writes are seen
             tracked[k] = (addr, n, lo, hi, _edges(_view(t), addr, lo, hi))
             for key, seen in list(_T.known.items()):  # protecting again erased the pages' evidence of a write:
                 if seen[1] < hi and lo < seen[2]:  # what was known of them (another view of the same bytes) goes
