@@ -294,16 +294,10 @@ def test_a_corrupted_remote_object_is_set_aside_and_the_previous_one_resumes(
     p = subprocess.run([*cli, "inspect", "--brief", url + older], env=env, capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.startswith(f"{url}{older}: fastai_resume format"), p.stdout + p.stderr
 
-    m2 = tmp_path / "machine2"
-    log = run_trainer(m2, m2 / "out.frk", *AUTO, "--remote", url, env=env)
-    assert re.search(rf"AutoCheckpoint: skipping {re.escape(url + newest)}: .*differs from what was uploaded", log), log
-    assert f"AutoCheckpoint: downloaded {older} from {url}" in log
-    assert newest + ".corrupt" in mirror.ls() or newest in mirror.complete()  # set aside, then saved again
-    assert_same_run(ref, fr.load(m2 / "out.frk"), epochs=2)
-
     import torch
     from trainer import build
 
+    # before machine 2 runs: its retention may remove `older` from the remote
     m3 = tmp_path / "machine3"
     learn = build(m3, noise=True)
     learn.model.register_buffer("ballast", torch.ones(8 << 18))  # as tests/trainer.py --ballast-mb 8
@@ -317,6 +311,13 @@ def test_a_corrupted_remote_object_is_set_aside_and_the_previous_one_resumes(
     (m3 / "models" / older).write_bytes(b"another file")
     with pytest.raises(FileExistsError, match="exists and differs from the remote file; move it away first"):
         learn.load(url + older)
+
+    m2 = tmp_path / "machine2"
+    log = run_trainer(m2, m2 / "out.frk", *AUTO, "--remote", url, env=env)
+    assert re.search(rf"AutoCheckpoint: skipping {re.escape(url + newest)}: .*differs from what was uploaded", log), log
+    assert f"AutoCheckpoint: downloaded {older} from {url}" in log
+    assert newest + ".corrupt" in mirror.ls() or newest in mirror.complete()  # set aside, then saved again
+    assert_same_run(ref, fr.load(m2 / "out.frk"), epochs=2)
 
 
 def test_a_sigterm_saves_and_the_exit_waits_for_that_checkpoints_upload(tmp_root, tmp_path):
