@@ -264,6 +264,8 @@ static PyObject *Writer_put_int(WriterObject *w, PyObject *v)
 /* A list's or tuple's items as ints, where every item is an int (not a bool) that fits in 64 bits:
  * the same values put_int appends one by one. Returns False, having appended nothing, where one is
  * not. */
+static int put_ints_of(WriterObject *w, PyObject *v);
+
 static PyObject *Writer_put_ints(WriterObject *w, PyObject *v)
 {
     if (!PyList_Check(v) && !PyTuple_Check(v)) {
@@ -272,25 +274,10 @@ static PyObject *Writer_put_ints(WriterObject *w, PyObject *v)
     }
     if (!writer_open(w))
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
-    PyObject **items = PySequence_Fast_ITEMS(v);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int overflow;
-        if (!PyLong_CheckExact(items[i]))
-            Py_RETURN_FALSE;
-        long long x = PyLong_AsLongLongAndOverflow(items[i], &overflow);
-        if (overflow || (x == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
-    }
-    frk_error err;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int rc = frk_builder_put_int(w->b, PyLong_AsLongLong(items[i]), &err);
-        if (rc != FRK_OK)
-            return writer_status(w, rc, &err);
-    }
-    Py_RETURN_TRUE;
+    int got = put_ints_of(w, v);
+    if (got < 0)
+        return NULL;
+    return PyBool_FromLong(got);
 }
 
 static PyObject *Writer_put_float(WriterObject *w, PyObject *v)
@@ -356,6 +343,225 @@ static PyObject *Writer_put_tensor(WriterObject *w, PyObject *v)
         return NULL;
     frk_error err;
     return writer_status(w, frk_builder_put_tensor(w->b, i, &err), &err);
+}
+
+/* ---- put_tree: the value tree walked here, as fastai_resume.io._Encoder.value walks it ---- */
+
+typedef struct {
+    WriterObject *w;
+    PyObject *kinds;    /* the classes handed to on_other (torch.Tensor, numpy.ndarray) */
+    PyObject *on_other; /* on_other(v) -> the tensor index of v */
+} tree_walk;
+
+static int walk_value(tree_walk *t, PyObject *v);
+
+/* 1: appended; 0: not every item is an int of 64 bits (nothing appended); -1: an error. */
+static int put_ints_of(WriterObject *w, PyObject *v)
+{
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject **items = PySequence_Fast_ITEMS(v);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int overflow;
+        if (!PyLong_CheckExact(items[i]))
+            return 0;
+        long long x = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow || (x == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    frk_error err;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int rc = frk_builder_put_int(w->b, PyLong_AsLongLong(items[i]), &err);
+        if (rc != FRK_OK) {
+            raise_frk(state_of_type(Py_TYPE(w)), &err);
+            return -1;
+        }
+    }
+    return 1;
+}
+
+static int walk_status(WriterObject *w, int rc, const frk_error *err)
+{
+    if (rc == FRK_OK)
+        return 0;
+    raise_frk(state_of_type(Py_TYPE(w)), err);
+    return -1;
+}
+
+static int walk_unstorable(PyObject *v)
+{
+    PyErr_Format(PyExc_TypeError, "%s is not storable", Py_TYPE(v)->tp_name);
+    return -1;
+}
+
+static int walk_items(tree_walk *t, PyObject *it)
+{
+    PyObject *x;
+    while ((x = PyIter_Next(it))) {
+        int rc = walk_value(t, x);
+        Py_DECREF(x);
+        if (rc)
+            return -1;
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int walk_key(tree_walk *t, PyObject *k)
+{
+    if (PyBool_Check(k) || !(PyUnicode_Check(k) || PyLong_Check(k)))
+        return walk_unstorable(k); /* (the Python walk says which key) */
+    return walk_value(t, k);
+}
+
+static int walk_dict(tree_walk *t, PyObject *v)
+{
+    frk_error err;
+    Py_ssize_t n = PyObject_Length(v);
+    if (n < 0)
+        return -1;
+    if (walk_status(t->w, frk_builder_put_container(t->w->b, FRK_TAG_DICT, (uint64_t)n, &err),
+                    &err))
+        return -1;
+    if (PyDict_CheckExact(v)) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *x;
+        while (PyDict_Next(v, &pos, &k, &x)) {
+            Py_INCREF(k);
+            Py_INCREF(x);
+            int rc = walk_key(t, k) || walk_value(t, x);
+            Py_DECREF(k);
+            Py_DECREF(x);
+            if (rc)
+                return -1;
+        }
+        return 0;
+    }
+    /* A subclass (an OrderedDict: its own order) is walked in the order its items() gives. */
+    PyObject *items = PyObject_CallMethod(v, "items", NULL);
+    PyObject *it = items ? PyObject_GetIter(items) : NULL;
+    Py_XDECREF(items);
+    if (!it)
+        return -1;
+    PyObject *pair;
+    int rc = 0;
+    while (!rc && (pair = PyIter_Next(it))) {
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2)
+            rc = walk_unstorable(v);
+        else
+            rc = walk_key(t, PyTuple_GET_ITEM(pair, 0)) || walk_value(t, PyTuple_GET_ITEM(pair, 1));
+        Py_DECREF(pair);
+    }
+    Py_DECREF(it);
+    return rc || PyErr_Occurred() ? -1 : 0;
+}
+
+static int walk_sequence(tree_walk *t, PyObject *v)
+{
+    frk_error err;
+    Py_ssize_t n = PyObject_Length(v);
+    if (n < 0)
+        return -1;
+    frk_tag tag = PyTuple_Check(v) ? FRK_TAG_TUPLE : FRK_TAG_LIST;
+    if (walk_status(t->w, frk_builder_put_container(t->w->b, tag, (uint64_t)n, &err), &err))
+        return -1;
+    if (n >= 8) {
+        int got = put_ints_of(t->w, v); /* (an RNG's state: the same values, in one call) */
+        if (got)
+            return got < 0 ? -1 : 0;
+    }
+    if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(v); i++) {
+            PyObject *x = PySequence_Fast_GET_ITEM(v, i);
+            Py_INCREF(x);
+            int rc = walk_value(t, x);
+            Py_DECREF(x);
+            if (rc)
+                return -1;
+        }
+        return 0;
+    }
+    PyObject *it = PyObject_GetIter(v);
+    if (!it)
+        return -1;
+    int rc = walk_items(t, it);
+    Py_DECREF(it);
+    return rc;
+}
+
+static int walk_value(tree_walk *t, PyObject *v)
+{
+    WriterObject *w = t->w;
+    frk_error err;
+    if (v == Py_None)
+        return walk_status(w, frk_builder_put_scalar(w->b, FRK_TAG_NONE, &err), &err);
+    if (v == Py_True || v == Py_False)
+        return walk_status(
+            w, frk_builder_put_scalar(w->b, v == Py_True ? FRK_TAG_TRUE : FRK_TAG_FALSE, &err),
+            &err);
+    if (PyLong_Check(v)) {
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred())
+            return -1;
+        if (overflow) {
+            PyErr_SetString(PyExc_OverflowError, "int does not fit in 64 bits");
+            return -1;
+        }
+        return walk_status(w, frk_builder_put_int(w->b, x, &err), &err);
+    }
+    if (PyFloat_Check(v))
+        return walk_status(w, frk_builder_put_float(w->b, PyFloat_AS_DOUBLE(v), &err), &err);
+    if (PyUnicode_Check(v)) {
+        Py_ssize_t n;
+        const char *s = PyUnicode_AsUTF8AndSize(v, &n);
+        if (!s)
+            return -1;
+        return walk_status(w, frk_builder_put_str(w->b, FRK_TAG_STR, s, (uint64_t)n, &err), &err);
+    }
+    if (PyBytes_Check(v) || PyByteArray_Check(v)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(v, &view, PyBUF_SIMPLE) < 0)
+            return -1;
+        int rc = frk_builder_put_str(w->b, FRK_TAG_BYTES, view.buf, (uint64_t)view.len, &err);
+        PyBuffer_Release(&view);
+        return walk_status(w, rc, &err);
+    }
+    int other = PyObject_IsInstance(v, t->kinds);
+    if (other < 0)
+        return -1;
+    if (other) {
+        PyObject *idx = PyObject_CallOneArg(t->on_other, v);
+        if (!idx)
+            return -1;
+        unsigned long long i = PyLong_AsUnsignedLongLong(idx);
+        Py_DECREF(idx);
+        if (i == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+        return walk_status(w, frk_builder_put_tensor(w->b, i, &err), &err);
+    }
+    if (!PyDict_Check(v) && !PyList_Check(v) && !PyTuple_Check(v))
+        return walk_unstorable(v);
+    if (Py_EnterRecursiveCall(" while saving a value tree"))
+        return -1;
+    int rc = PyDict_Check(v) ? walk_dict(t, v) : walk_sequence(t, v);
+    Py_LeaveRecursiveCall();
+    return rc;
+}
+
+/* put_tree(value, kinds, on_other): the whole tree appended, as the put_* calls of a walk in
+ * Python append it; a value of `kinds` (a class or a tuple of them) is on_other(value)'s tensor.
+ * Raises on a value it cannot store, with part of the tree appended: the Writer is then to be
+ * dropped (fastai_resume.io walks the tree again in Python, for the error naming the value). */
+static PyObject *Writer_put_tree(WriterObject *w, PyObject *args)
+{
+    tree_walk t = {w, NULL, NULL};
+    PyObject *v;
+    if (!PyArg_ParseTuple(args, "OOO:put_tree", &v, &t.kinds, &t.on_other) || !writer_open(w))
+        return NULL;
+    if (walk_value(&t, v))
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* Parses commit's arguments into w->path and w->flags. */
@@ -497,6 +703,11 @@ static PyMethodDef Writer_methods[] = {
      PUT_DOC(put_dict, n, "Append a dict of the next n (key, value) pairs.")},
     {"put_tensor", (PyCFunction)Writer_put_tensor, METH_O,
      PUT_DOC(put_tensor, index, "Append a reference to tensor index.")},
+    {"put_tree", (PyCFunction)Writer_put_tree, METH_VARARGS,
+     "put_tree($self, value, kinds, on_other, /)\n--\n\n"
+     "Append a whole value tree, walked here as a walk in Python putting each value appends it;\n"
+     "a value of kinds is appended as the tensor index on_other(value) returns. Raises on a value\n"
+     "it cannot store, with part of the tree appended (drop the Writer then)."},
     {"commit", (PyCFunction)(void (*)(void))Writer_commit, METH_VARARGS | METH_KEYWORDS,
      "commit($self, /, path, fsync=True, direct=True)\n--\n\n"
      "Write the checkpoint atomically, with the GIL released; returns the bytes written.\n"

@@ -425,20 +425,52 @@ def sharded(model) -> bool:
     dtensor = tensor.DTensor if tensor is not None else None
     found = any(
         isinstance(m, kinds) or (dtensor and any(isinstance(p, dtensor) for p in m._parameters.values()))
-        for m in model.modules()  # (one walk: a resume's checks call this on every stage's start)
+        for _, m in named_modules(model)  # (one walk: a resume's checks call this on every stage's start)
     )
     if _ASKED:
         _ASKED[-1][id(model)] = (model, found)
     return found
 
 
-_ASKED: list = []  # within `one_answer`: {id(model): (model, sharded)}
+_ASKED: list = []  # within `one_answer`: {id(model): (model, sharded)}, {("modules", id(model), dedup): (model, pairs)}
+_NAMED_PARAMETERS, _PARAMETERS = torch.nn.Module.named_parameters, torch.nn.Module.parameters
+
+
+def named_modules(model, remove_duplicate: bool = True) -> list:
+    "`list(model.named_modules(remove_duplicate=...))`, within `one_answer` walked once."
+    key = ("modules", id(model), remove_duplicate)
+    if _ASKED and key in _ASKED[-1]:
+        return _ASKED[-1][key][1]
+    out = list(model.named_modules(remove_duplicate=remove_duplicate))
+    if _ASKED:
+        _ASKED[-1][key] = (model, out)  # (the model kept: its id stays its own)
+    return out
+
+
+def named_parameters(model, remove_duplicate: bool = True) -> list:
+    """`list(model.named_parameters(remove_duplicate=...))`, read from `named_modules`' walk as torch reads it
+    (the parameters themselves read now: FSDP2 swaps them, its modules stay); a model that defines its own
+    `named_parameters` or `parameters` is asked."""
+    cls = type(model)
+    if cls.named_parameters is not _NAMED_PARAMETERS or cls.parameters is not _PARAMETERS:
+        return list(model.named_parameters(remove_duplicate=remove_duplicate))
+    out, memo = [], set()
+    for prefix, m in named_modules(model, remove_duplicate):
+        dot = prefix + "." if prefix else ""
+        for k, v in m._parameters.items():
+            if v is None or v in memo:
+                continue
+            if remove_duplicate:
+                memo.add(v)
+            out.append((dot + k, v))
+    return out
 
 
 @contextlib.contextmanager
 def one_answer():
-    """Within it, `sharded` walks each model once: a save asks it in several places (nothing shards a model
-    in the middle of a save), and a save at every step of an LLM would walk its modules each time."""
+    """Within it, `sharded` and `named_modules` walk each model once (`named_parameters` reads that walk): a save
+    asks them in several places (nothing shards a model or adds a module in the middle of a save), and a save
+    at every step of an LLM would walk its modules each time."""
     if _ASKED:  # (inside another: its answers)
         yield
         return

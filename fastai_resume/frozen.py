@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 
 import torch
 
@@ -77,9 +78,10 @@ def _bytes(t: torch.Tensor):
 
 def _materialized(t) -> bool:
     "A tensor with bytes to fingerprint (not a `LazyLinear`'s uninitialized parameter, nor on the meta device)."
-    from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
+    return not isinstance(t, _UNINITIALIZED) and t.device.type != "meta"
 
-    return not isinstance(t, (UninitializedParameter, UninitializedBuffer)) and t.device.type != "meta"
+
+_UNINITIALIZED = (torch.nn.parameter.UninitializedParameter, torch.nn.parameter.UninitializedBuffer)
 
 
 ENV = "FASTAI_RESUME_FINGERPRINT"  # "h64": every tensor's fingerprint computed where it lives (tests, by choice)
@@ -128,6 +130,34 @@ def fingerprints(tensors: dict, kinds: dict | None = None) -> dict:
     sharded model's DTensors (`_sharded`: collective, every rank calls it with the same names) get the whole
     tensor's, as if it were not sharded, from each rank's part; one placed otherwise than FSDP's rows per rank,
     or whole on every rank, gets none (it is held)."""
+    idents = _idents(tensors, kinds)
+    if idents is not None and _LAST and _LAST[0] == idents:  # the same views as the last call's: a save's base
+        regions, last = _LAST[1], _LAST[2]
+        if provenance.still(regions, {k: tensors[k] for k in regions}):  # (one scan of each file's pages)
+            rest = {k: t for k, t in tensors.items() if k not in regions}
+            rest = _fingerprints(rest, kinds, {}) if rest else {}
+            return {k: rest[k] if k in rest else dict(last[k]) for k in tensors if k in rest or k in last}
+    regions = {}
+    out = _fingerprints(tensors, kinds, regions)
+    _LAST[:] = [] if idents is None else [idents, regions, {k: out[k] for k in regions if k in out}]
+    return out
+
+
+_LAST: list = []  # the last `fingerprints` call's views, the file regions it proved, their fingerprints
+
+
+def _idents(tensors: dict, kinds: dict | None) -> tuple | None:
+    "What `fingerprints` was asked of (which views of which memory, which kinds); None: a DTensor among them."
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+    if any(isinstance(t, dtensor) for t in tensors.values()):
+        return None
+    kinds = kinds or {}
+    views = tuple((k, kinds.get(k), t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for k, t in tensors.items())
+    return os.environ.get(ENV), views
+
+
+def _fingerprints(tensors: dict, kinds: dict | None, regions: dict) -> dict:
+    "`fingerprints`, each read or known; `regions` gets the names whose CRC32C is a file region's, and its key."
     kinds = {k: (kinds or {}).get(k) or _kind(t) for k, t in tensors.items()}
     whole = {k: t for k, t in tensors.items() if not dist.is_dtensor(t)}
     key = lambda t: (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)  # noqa: E731
@@ -138,11 +168,12 @@ def fingerprints(tensors: dict, kinds: dict | None = None) -> dict:
     cpu = [k for k in crc if whole[k].device.type == "cpu"]
     read = lambda names: io.crc32c_many([_bytes(whole[k]) for k in names], _THREADS)  # noqa: E731
     unmapped = lambda names: list(unwritten.crcs({k: whole[k] for k in names}, read).values())  # noqa: E731
-    got = provenance.crcs({k: whole[k] for k in cpu}, unmapped)  # a file's bytes, or bytes unwritten: known
+    got = provenance.crcs({k: whole[k] for k in cpu}, unmapped, regions)  # a file's bytes, or bytes unwritten: known
     for k in first.values():
         if k not in got:
             got[k] = io.crc32c_many([_bytes(whole[k])], _THREADS)[0] if kinds[k] == "crc" else h64(whole[k])
     out = {k: _fingerprint(t, kinds[k], got[first[(kinds[k], key(t))]]) for k, t in whole.items()}
+    regions.update({k: regions[f] for k, t in whole.items() if (f := first[(kinds[k], key(t))]) in regions})
     parted = {k: t for k, t in tensors.items() if k not in whole}
     for k, v in _sharded(parted, kinds).items():
         if v is not None:  # (placed otherwise: no fingerprint, held)
@@ -208,7 +239,8 @@ def kind_of(f: dict) -> str:
 
 def _frozen_params(model) -> dict:
     "The frozen parameters by their state-dict names (a tied one under each of its names)."
-    return {k: p for k, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad and _materialized(p)}
+    named = dist.named_parameters(model, remove_duplicate=False)
+    return {k: p for k, p in named if not p.requires_grad and _materialized(p)}
 
 
 def stage_began(learn, first_fit: bool = True) -> None:

@@ -212,6 +212,10 @@ class _Encoder:
                 "torch.Tensor and numpy.ndarray are)"
             )
 
+    def other(self, v) -> int:
+        "The tensor index of a tensor or array met by the walk in C (`Writer.put_tree`)."
+        return self.torch_tensor(v, "") if isinstance(v, torch.Tensor) else self.numpy_array(v, "")
+
     def torch_tensor(self, t: torch.Tensor, path: str) -> int:
         if id(t) in self.tensors:
             return self.tensors[id(t)]
@@ -230,10 +234,10 @@ class _Encoder:
             t = t.cpu()
         # The reader refuses a tensor that holds more bytes than its blob (so that a small file can
         # never become a huge allocation): store overlapping views (expand, stride 0) as copies.
-        overlaps = t.numel() * t.element_size() > t.untyped_storage().nbytes()
-        if overlaps or any(s < 0 for s in t.stride()):
-            t = t.contiguous()
         st = t.untyped_storage()
+        if t.numel() * t.element_size() > st.nbytes() or any(s < 0 for s in t.stride()):
+            t = t.contiguous()
+            st = t.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
         blob = self.blobs.get(key)
         if blob is None:
@@ -264,8 +268,17 @@ def encode(tree: Any, crcs: dict | None = None) -> _core.Writer:
     storage to its CRC32C when the caller has it (`SnapshotPool`): the commit then does not read
     those bytes for it."""
     w = _core.Writer()
-    _Encoder(w, crcs).value(tree, "")
+    enc = _Encoder(w, crcs)
+    try:
+        with torch._C.DisableTorchFunctionSubclass():  # (fastai's TensorBase: its methods as a tensor's)
+            w.put_tree(tree, _OTHER, enc.other)  # the walk in C: the same values appended
+    except Exception:  # (an unstorable value: the walk in Python raises the error that names it)
+        w = _core.Writer()
+        _Encoder(w, crcs).value(tree, "")
     return w
+
+
+_OTHER = (torch.Tensor, np.ndarray)
 
 
 class DiskFullError(OSError):

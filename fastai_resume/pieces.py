@@ -56,7 +56,7 @@ class Now:
     @functools.cached_property
     def params(self) -> list:
         "The model's parameters, in order (walked once per capture: several pieces read them)."
-        return list(self.learn.model.parameters())
+        return [p for _, p in dist.named_parameters(self.learn.model)]
 
 
 @dataclass(frozen=True)

@@ -274,10 +274,11 @@ def _mappable(t) -> bool:
 # --- what was read ------------------------------------------------------------------------------------
 
 
-def crcs(tensors: dict, read) -> dict:
+def crcs(tensors: dict, read, regions: dict | None = None) -> dict:
     """`{name: CRC32C}` of CPU tensors: a file region's CRC read before where the tensor is, now, that region
     of the same version of its file; the rest by `read(names) -> [crc, ...]`, and of those, the ones that
-    were such a region before and after the read, remembered."""
+    were such a region before and after the read, remembered. `regions` gets `{name: key}` of those whose
+    CRC is their region's (while `keys` gives a name that key, its CRC is this one)."""
     began = time.time_ns()
     where = keys(tensors)
     out = {k: c for k in tensors if (c := _known(where.get(k))) is not None}
@@ -285,7 +286,16 @@ def crcs(tensors: dict, read) -> dict:
     out.update(zip(todo, read(todo)))
     still = keys({k: tensors[k] for k in todo if k in where})  # (nothing wrote them while they were read)
     _remember({where[k]: out[k] for k in still if still[k] == where[k]}, began)
+    if regions is not None:
+        regions.update({k: where[k] for k in out if k in where and _MEMO.get(where[k]) == out[k]})
     return out
+
+
+def still(regions: dict, tensors: dict) -> bool:
+    """Whether each tensor of `tensors` is, now, the file region `regions` names (`crcs`' `regions`: a region
+    whose CRC32C is remembered, and still is)."""
+    now = keys(tensors)
+    return all(now.get(k) == key and key in _MEMO for k, key in regions.items())
 
 
 def _known(key) -> int | None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from fastcore.foundation import L
 
+from . import dist
 from .fastai_classes import is_a
 from .fields import a_dict, a_list, a_number, a_tensor, an_int, need
 from .io import CheckpointError, map_tree
@@ -270,13 +271,14 @@ def _attrs(m, own: Callable[[], set]) -> dict:
     public names only (torch keeps its own as `_...`), never one that shares memory with a parameter or
     buffer (a `.data` alias must stay one). `own()`: the storages of the model's parameters and buffers."""
     d = m.__dict__
-    if not any(issubclass(t, _HOLDERS) for t in set(map(type, d.values()))):
+    if not any(map(_holder, set(map(type, d.values())))):
         return {}  # (the common case, told by the few kinds of its values: an LLM's every-step save walks hundreds)
     found = {k: v for k, v in d.items() if isinstance(v, _HOLDERS) and _public(k) and held(v)}
     return {k: v for k, v in found.items() if not (_storages(v) & own())} if found else found
 
 
 _HOLDERS = (torch.Tensor, list, tuple)  # what `held` can be true of
+_holder = functools.cache(lambda t: issubclass(t, _HOLDERS))  # (by type: a module's few kinds of values)
 
 
 def module_states(model) -> dict:
@@ -289,7 +291,7 @@ def module_states(model) -> dict:
         return {_storage(t) for t in (*model.parameters(), *model.buffers())} - {None}
 
     out: dict = {}
-    for name, m in model.named_modules():
+    for name, m in dist.named_modules(model):
         hid = m.__dict__.get("hidden")
         if isinstance(hid, list) and hid and isinstance(m.__dict__.get("bs"), int):
             out[name] = {"hidden": plain(hid), "bs": m.bs}

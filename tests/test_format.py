@@ -153,6 +153,81 @@ def test_long_sequences_of_ints_are_written_as_one_by_one_and_others_keep_their_
         fr.save({"w": list(range(9)) + [2**64]}, tmp_path / "x.frk")
 
 
+def test_the_walk_in_c_writes_the_bytes_of_the_walk_in_python(tmp_path):
+    """`io.encode` walks the tree in C (`Writer.put_tree`); the Python walk (`_Encoder.value`) is its
+    definition: the same file, byte for byte, for every kind of value and container (subclasses too: an
+    OrderedDict in its own order after `move_to_end`, a namedtuple, an IntEnum, NumPy's float64, a str
+    subclass), shared tensors, arrays, RNG states; and for a real checkpoint's tree. Where the C walk meets a
+    value it cannot store, the Python walk's error names it by path."""
+    import collections
+    import enum
+    import random
+
+    from fastai_resume import io
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    class Name(str):
+        pass
+
+    Point = collections.namedtuple("Point", "x y")
+    od = collections.OrderedDict([("b", 1), ("a", torch.arange(3)), ("c", [1.5, None])])
+    od.move_to_end("b")
+    shared = torch.randn(4, 4)
+    tree = {
+        "od": od,
+        "nt": Point(1, [2, 3]),
+        "enum": Color.RED,
+        "np_float": np.float64(2.5),
+        "name": Name("x"),
+        "kinds": [None, True, False, 0, -(2**63), 2**63 - 1, 1.0, float("inf"), "é", b"\x00b", bytearray(b"ab")],
+        "ints": list(range(100)) + [True],
+        "rng": random.getstate(),
+        "np": np.arange(6, dtype=np.int32).reshape(2, 3)[:, ::2],
+        "tensors": [shared, shared[1], shared.t(), torch.zeros(0), torch.tensor(3.0)],
+        7: {-1: "neg"},
+        "deep": [[[[{"x": (1, (2, (3,)))}]]]],
+    }
+
+    def both(tree, name):
+        fast, slow = io.encode(tree), _core.Writer()
+        io._Encoder(slow).value(tree, "")
+        fast.commit(str(tmp_path / f"{name}-c.frk"), fsync=False)
+        slow.commit(str(tmp_path / f"{name}-py.frk"), fsync=False)
+        return (tmp_path / f"{name}-c.frk").read_bytes(), (tmp_path / f"{name}-py.frk").read_bytes()
+
+    c, py = both(tree, "kinds")
+    assert c == py
+    back = fr.load(tmp_path / "kinds-c.frk")
+    assert (
+        list(back["od"]) == ["a", "c", "b"]
+        and back["nt"] == (1, [2, 3])
+        and back["kinds"][3:6] == [0, -(2**63), 2**63 - 1]
+    )
+
+    from trainer import build
+
+    learn = build(tmp_path)  # a real training state: a fit's checkpoint, read back
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, cbs=fr.AutoCheckpoint(every_iters=20, keep=1))
+    tree = fr.load(sorted((tmp_path / "models").glob("*.frk"))[-1])
+    c, py = both(tree, "checkpoint")
+    assert c == py and len(c) > 1000
+
+    class Mine:
+        pass
+
+    for bad, match in [
+        ({"a": [1, {"b": Mine()}]}, r"\['a'\]\[1\]\['b'\]: .*Mine is not storable"),
+        ({"a": list(range(9)) + [2**64]}, r"\['a'\]\[9\]: int .* does not fit in 64 bits"),
+        ({"a": {True: 1}}, r"\['a'\]: dict key True \(bool\) is not storable"),
+        ({"a": [torch.eye(2).to_sparse()]}, r"\['a'\]\[0\]: .*sparse"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            io.encode(bad)
+
+
 def test_numpy_arrays_round_trip_with_dtype_and_strides(tmp_path):
     arrs = {
         "i": np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],

@@ -147,6 +147,36 @@ def test_a_write_into_a_mapped_weight_is_read_again_and_its_fingerprint_changes(
     assert frozen.fingerprints(params) == now  # never the file's CRC for the written weight
 
 
+def test_the_next_saves_fingerprints_of_the_same_views_take_one_look_at_the_pages_and_see_any_write(
+    tmp_path, counted, lookup, monkeypatch
+):
+    """A save at every step fingerprints the same views of its base each time: the next call proves every
+    region still its file's with one `keys` (one scan of the file's pages, the tied head included), reads
+    nothing and asks no per-tensor CRC; a weight written since, a view swapped, a region forgotten each make
+    it fingerprint again, never a stale answer."""
+    write_base(tmp_path / "base")
+    model, params = frozen_params(tmp_path / "base")
+    assert "lm_head.weight" in params  # (tied to the embedding: one region under two names)
+    first = frozen.fingerprints(params)
+    calls = {"keys": 0, "crcs": 0}
+    for name in calls:
+        real = getattr(provenance, name)
+        monkeypatch.setattr(
+            provenance, name, lambda *a, _r=real, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _r(*a)
+        )
+    counted[0] = 0
+    assert frozen.fingerprints(params) == first and calls == {"keys": 1, "crcs": 0} and counted[0] == 0
+    name = "transformer.h.0.attn.c_attn.weight"
+    params[name].data[0, 0] += 1
+    now = frozen.fingerprints(params)
+    assert [k for k in first if first[k] != now[k]] == [name] and calls["crcs"] == 1
+    params[name] = params[name].clone()  # another view of the (written) weight: fingerprinted anew
+    assert frozen.fingerprints(params) == now
+    provenance.forget()
+    counted[0] = 0
+    assert frozen.fingerprints(params) == now and counted[0] > 0  # nothing remembered: read again
+
+
 def test_negative_control_without_the_page_check_a_written_weight_keeps_its_stale_fingerprint(
     tmp_path, lookup, monkeypatch
 ):
