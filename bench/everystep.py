@@ -7,9 +7,9 @@ weights from its config) written with `save_pretrained` and loaded with `from_pr
 
 - `none`: no checkpoint;
 - `every 1` / `every 10`: `AutoCheckpoint(every_iters=1 or 10)` with its default saves (`background='auto'`:
-  on the CPU, a checkpoint this small is written, synced and put in place at the batch boundary);
-- `every 1 thread`: `background=True` (written at the batch boundary, synced and put in place by a thread);
-- `every 1 sync` / `every 10 sync`: `background=False` (written around the page cache, synced, in place).
+  a checkpoint this small is written at the batch boundary, synced and put in place by a thread);
+- `every 1 sync` / `every 10 sync`: `background=False` (written around the page cache, synced, in place at
+  the boundary).
 
 A step's time is the time from one training batch's start to the next's (everything the callbacks do
 after it included); the first `--warmup` steps of each process are left out (the first save allocates
@@ -42,7 +42,6 @@ import llm  # noqa: E402  (the tutorial's learner)
 CONTENDERS = {
     "none": None,
     "every 1": dict(every_iters=1),
-    "every 1 thread": dict(every_iters=1, background=True),
     "every 1 sync": dict(every_iters=1, background=False),
     "every 10": dict(every_iters=10),
     "every 10 sync": dict(every_iters=10, background=False),

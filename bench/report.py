@@ -525,7 +525,7 @@ def everystep(res) -> str:
     step, added = res["step_s"], res["added_pct"]
     labels = {
         "none": "no checkpoint",
-        "every 1": "`AutoCheckpoint(every_iters=1)` (default: `background='auto'`)",
+        "every 1": "`AutoCheckpoint(every_iters=1)` (default: `background='auto'`, published by a thread)",
         "every 1 thread": "`every_iters=1, background=True` (published by a thread)",
         "every 1 sync": "`every_iters=1, background=False`",
         "every 10": "`AutoCheckpoint(every_iters=10)` (default)",

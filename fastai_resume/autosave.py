@@ -18,7 +18,7 @@ from pathlib import Path
 from fastai.callback.core import Callback
 from fastcore.basics import store_attr
 
-from . import checkpoint, dist, objstore, paths, store, stored, trainstate
+from . import checkpoint, dist, objstore, paths, store, stored
 from . import remote as _remote
 from .io import CheckpointError
 from .runfolder import RunFolder, run_identity
@@ -79,8 +79,8 @@ class AutoCheckpoint(Callback):
       Files of other runs, and any file not named so, are never touched.
     - `background=True`: the batch boundary waits only for what must happen there (a checkpoint of up to
       16 MB written from the live tensors, a bigger one copied), a thread commits it; at most one save is
-      in flight. `'auto'` (the default): the same, but a small checkpoint of a fit on the CPU is committed
-      at the boundary (bench/everystep.py). `False`: every save is committed at the boundary. A failed save
+      in flight. `'auto'` (the default): the way that costs training least, as measured (bench/everystep.py):
+      today `True`'s, on every device. `False`: every save is committed at the boundary. A failed save
       raises at the next batch boundary (`on_error='warn'`: a loud warning). A full disk: this run's older
       checkpoints (never the newest valid one) are removed once and the save tried again, said each time.
     - `resume=True`: the first training call of the process (and the next one after an interrupted fit)
@@ -318,7 +318,6 @@ class Saves:
                 pool=self.pool,
                 then=functools.partial(files.remove_stale, path.parent),
                 direct=self.direct,
-                publish_here=background == "auto" and trainstate.training_device(learn).type == "cpu",
             )
         except store.CouldNotStart as e:
             if not dist.active():

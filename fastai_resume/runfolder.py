@@ -139,10 +139,28 @@ class RunFolder:
         """Temporary files of this run's saves whose process is gone (killed mid-save): never valid. Where a
         sharded fit's ranks write on their nodes' own disks, a folder without a manifest here that holds a file
         of a rank on another node now was not left by a killed save: the ranks were placed otherwise."""
-        stored.remove_dead_temps(self.folder, lambda name: bool(self.pattern.match(name)))
+        stored.remove_dead_temps(self.folder, lambda name: bool(self.pattern.match(name)), self._adopt)
         if self.node_local():
             self._placed_as_saved()
         stored.remove_unfinished(self.folder, lambda name: bool(self.pattern.match(name)))  # folders without a manifest
+
+    def _adopt(self, temp: Path, final: Path) -> bool:
+        """A save whose process was killed after its checkpoint was written whole, before its thread synced it and
+        put it in place (a small one is written at the batch's end, published by a thread while the next batch
+        trains): every checksum verified, then synced and put in place, and said. So a SIGKILL loses at most the
+        step in flight. False (it is removed): a file cut short, or its name taken."""
+        if temp.is_dir() or final.exists():
+            return False
+        try:
+            store.verify(temp)
+            stored.publish(temp, final)
+        except (CheckpointError, OSError):
+            return False
+        say(
+            f"AutoCheckpoint: {final.name} was written whole by a process killed before putting it in place: "
+            "verified and put in place"
+        )
+        return True
 
     def _placed_as_saved(self) -> None:
         assert self.near is not None

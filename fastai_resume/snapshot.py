@@ -206,10 +206,9 @@ class BackgroundCommit:
     """Commits `tree` to `path` in the background: training waits only for what must happen at the batch
     boundary. A checkpoint of up to `write_now_max` bytes is encoded and written now, from the live tensors,
     to its temporary file (through the page cache); a thread then syncs it, renames it into place and syncs
-    the directory, with the GIL released (`publish_here`: the whole commit is made now, in this thread, as a
-    synchronous save's: where training keeps every core busy, a thread's sync competes with it, and a write
-    around the page cache costs the boundary less than one through it; bench/everystep.py). A bigger one is
-    snapshotted into `pool`'s buffers now, then written by the thread. `done`: whether the commit has ended; `wait()`
+    the directory, with the GIL released (a process killed before that leaves the whole file, which the next
+    start verifies and puts in place: `runfolder.RunFolder.remove_dead_temps`). A bigger one is snapshotted
+    into `pool`'s buffers now, then written by the thread. `done`: whether the commit has ended; `wait()`
     returns the bytes written or raises the commit's error (a full disk met while writing now included);
     `seconds`: how long the thread's part took, once done.
 
@@ -232,7 +231,6 @@ class BackgroundCommit:
         then: Callable[[], Any] | None = None,
         direct: bool = True,
         write_now_max: int = WRITE_NOW_MAX,
-        publish_here: bool = False,
     ):
         self._result = self._error = self.seconds = None
         self.then_result = self.then_error = self.then_seconds = None
@@ -240,9 +238,6 @@ class BackgroundCommit:
         writer = io.encode(tree)  # an unstorable value raises here, in this thread
         self._writer = writer
         self._thread: threading.Thread | None = None
-        if writer.size <= write_now_max and publish_here:
-            self._run(os.fspath(path), fsync)  # the whole commit here, as a synchronous save's (no copy, no thread)
-            return
         if writer.size <= write_now_max:
             self.written_now = True
             try:

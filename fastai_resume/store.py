@@ -86,12 +86,12 @@ class Pending:
                 pass
 
 
-def save(learn, path, build, background=False, pool=None, then=None, direct=True, publish_here=False):
+def save(learn, path, build, background=False, pool=None, then=None, direct=True):
     """Write the tree `build()` returns to `path`, on every rank (`build` may be collective).
     `background=False`: returns None once the checkpoint is committed, or raises (under torch.distributed on
     every rank; the previous checkpoint at `path` is intact). `background=True`: returns the `Pending` save
     (None on a rank with nothing to write: DDP's ranks but 0); its file is written by a thread
-    (`snapshot.BackgroundCommit`, with `pool`, `then`, `direct` and `publish_here`)."""
+    (`snapshot.BackgroundCommit`, with `pool`, `then` and `direct`)."""
     path = Path(path)
     if dist.sharded(learn.model):
         return _Folder(path).save(learn, build, background, pool)
@@ -103,7 +103,7 @@ def save(learn, path, build, background=False, pool=None, then=None, direct=True
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        w = BackgroundCommit(tree, path, pool, then=then, direct=direct, publish_here=publish_here)
+        w = BackgroundCommit(tree, path, pool, then=then, direct=direct)
     except (OSError, TypeError, ValueError, RuntimeError) as e:
         raise CouldNotStart(e) from e
     return Pending(path, w)

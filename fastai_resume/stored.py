@@ -25,6 +25,7 @@ __all__ = [
     "is_temp",
     "temp_name",
     "remove_dead_temps",
+    "publish",
     "alive",
     "AUTO_NAME",
     "STAGE_END",
@@ -68,17 +69,20 @@ def alive(pid) -> bool:
     return True
 
 
-def remove_dead_temps(folder: Path, names=None) -> int:
+def remove_dead_temps(folder: Path, names=None, adopt=None) -> int:
     """Remove temporary files of saves whose writing process is gone (killed mid-save), for the final
-    names `names` accepts (a callable; all when None). A live writer's file is never touched."""
+    names `names` accepts (a callable; all when None), but those `adopt(temp, final)` put in place. A live
+    writer's file is never touched."""
     n = 0
     if not folder.is_dir():
         return 0
-    for p in folder.iterdir():
+    for p in sorted(folder.iterdir()):
         m = _TEMP.match(p.name)
         if m is None or (names is not None and not names(m["name"])):
             continue
         if int(m["pid"]) == os.getpid() or alive(int(m["pid"])):
+            continue
+        if adopt is not None and adopt(p, folder / m["name"]):
             continue
         try:
             p.unlink()
@@ -86,6 +90,23 @@ def remove_dead_temps(folder: Path, names=None) -> int:
         except OSError:
             pass
     return n
+
+
+def publish(temp: Path, final: Path) -> None:
+    """A whole checkpoint file put in place as a commit puts it: synced, renamed onto `final` (never over
+    another: `FileExistsError`), the folder synced."""
+    fd = os.open(temp, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.link(temp, final)  # (fails where `final` exists; then the temporary name goes)
+    os.unlink(temp)
+    fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_sharded_checkpoint(path) -> bool:

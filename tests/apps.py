@@ -28,6 +28,7 @@ optimizer and Recorder, the files the script wrote (by CRC32C) and its printed v
 import argparse
 import os
 import random
+import re
 import signal
 import sys
 
@@ -390,6 +391,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--die", default=None)
     ap.add_argument("--die-mid", default=None)  # S,E,K: SIGKILL in the step of batch K+1 (its forward done), unsaved
+    ap.add_argument("--die-publishing", type=int, default=None)  # K: SIGKILL as the save of iteration K is published
     ap.add_argument("--resume", default="manual", choices=["none", "manual", "auto"])
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--break-rng", action="store_true")
@@ -405,6 +407,17 @@ def main(argv=None):
         fastai_resume.frozen.check = lambda model, tree, path, **kw: None
         fastai_resume.frozen.not_yet = lambda model, tree, **kw: []
         fastai_resume.frozen.recheck = lambda model, checked, source: None
+    if a.die_publishing is not None:  # killed by its thread once the checkpoint is written whole, before it is in place
+        commit = fastai_resume.snapshot.BackgroundCommit
+        publish = commit._run
+
+        def _run(self, path, fsync):
+            if self.written_now and int(re.search(r"-i(\d+)\.frk$", path)[1]) == a.die_publishing:
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return publish(self, path, fsync)
+
+        commit._run = _run
     st, out = Stages(a), {}
     if a.app == "unet":
         vision(a, st, out, seg=True)

@@ -125,6 +125,41 @@ def test_a_kill_between_the_last_commit_and_its_retention_is_trimmed_at_autoresu
     assert [p.name for p in cb2.checkpoints()] == kept
 
 
+def test_a_dead_saves_whole_file_is_put_in_place_one_cut_short_removed_a_live_ones_left(tmp_path, capsys):
+    """A save killed after its file was written whole, before it was put in place, leaves it under its temporary
+    name: the next start verifies it, syncs it, puts it in place and says so (a SIGKILL loses at most the step
+    in flight). One cut short is removed, never put in place; a live process's is not touched."""
+    cb = fr.AutoCheckpoint(every_iters=20, keep=3, background=False, every_epoch=False)
+    learn = build(tmp_path, noise=False, extra_cbs=[cb])
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3)
+    older, newest = cb.checkpoints()[-2:]
+    data = newest.read_bytes()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        whole = cb.folder / f".{newest.name}.tmp.{gone.pid}.a1"
+        newest.rename(whole)
+        cut = cb.folder / f".{older.name.replace('i0000000020', 'i0000000030')}.tmp.{gone.pid}.b2"
+        cut.write_bytes(older.read_bytes()[:-100])
+        other = cb.folder / f".{older.name.replace('i0000000020', 'i0000000010')}.tmp.{live.pid}.c3"
+        other.write_bytes(b"being written")
+        cb2 = fr.AutoCheckpoint(every_iters=20, keep=3, background=False, every_epoch=False)
+        learn2 = build(tmp_path, noise=False, extra_cbs=[cb2])
+        with learn2.no_bar(), learn2.no_logging():
+            learn2.fit(1, 1e-3)  # resumes from the one put in place
+        out = capsys.readouterr().out
+        assert f"AutoCheckpoint: {newest.name} was written whole by a process killed before putting it in place" in out
+        assert newest.read_bytes() == data and not whole.exists()
+        assert not cut.exists() and not (cb.folder / cut.name[1:].split(".tmp.")[0]).exists()
+        assert other.read_bytes() == b"being written"
+        assert re.search(rf"resuming .*{re.escape(newest.name)}.*at epoch 0, iteration 40/", out), out
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_background_saves_retire_old_checkpoints_in_their_writer_thread(tmp_path, monkeypatch):
     """Unlinking a big file takes tens of milliseconds: a background save removes the checkpoints
     retention retires from its writer thread, after its commit; one it cannot remove is still named

@@ -73,6 +73,30 @@ def test_hf_tutorial_lora_saved_at_every_step_in_the_background_killed_mid_step_
     assert_same(ref, fr.load(tmp_path / "out.frk"), ("model",))
 
 
+def test_killed_while_its_thread_publishes_a_checkpoint_the_rerun_puts_it_in_place_and_loses_no_step(
+    tmp_root, tmp_path
+):
+    """Every step saved in the background: a checkpoint is written whole at its batch's end, a thread syncs it
+    and puts it in place. SIGKILL between the two (from that thread): its file is whole under its temporary
+    name; the rerun verifies it, puts it in place, says so, resumes from that very step and is bitwise the
+    uninterrupted run. A SIGKILL loses at most the step in flight."""
+    import re
+
+    ref, ref_values = app_reference(tmp_root, "llm")
+    every = ("--resume", "auto", "--every", "1")
+    run_app("llm", tmp_path, tmp_path / "dead.frk", "--die-publishing", "7", *every, expect=-signal.SIGKILL)
+    models = tmp_path / "models"
+    names = sorted(p.name for p in models.glob("auto-*-i*.frk"))
+    assert int(re.search(r"-i(\d+)\.frk$", names[-1])[1]) == 6  # the save of iteration 7 was not in place
+    (temp,) = [p.name for p in models.iterdir() if p.name.startswith(".") and "-i0000000007.frk.tmp." in p.name]
+    log = run_app("llm", tmp_path, tmp_path / "out.frk", *every)
+    final = temp[1:].split(".tmp.")[0]
+    assert f"AutoCheckpoint: {final} was written whole by a process killed before putting it in place" in log
+    assert re.search(rf"resuming .*{re.escape(final)}", log), log
+    assert values(log) == ref_values
+    assert_same(ref, fr.load(tmp_path / "out.frk"), ("model",))
+
+
 def test_a_rerun_on_another_base_model_is_refused_naming_the_tensor(tmp_root, tmp_path):
     run_app("llm", tmp_path, tmp_path / "dead.frk", "--die", MID_ACCUMULATION, expect=-signal.SIGKILL)
     log = run_app("llm", tmp_path, tmp_path / "out.frk", "--base-seed", "1", expect=1)
