@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 
 import torch
 
@@ -148,8 +147,7 @@ _LAST: list = []  # the last `fingerprints` call's views, the file regions it pr
 
 def _idents(tensors: dict, kinds: dict | None) -> tuple | None:
     "What `fingerprints` was asked of (which views of which memory, which kinds); None: a DTensor among them."
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
-    if any(isinstance(t, dtensor) for t in tensors.values()):
+    if any(map(dist.is_dtensor, tensors.values())):
         return None
     kinds = kinds or {}
     views = tuple((k, kinds.get(k), t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for k, t in tensors.items())

@@ -197,11 +197,7 @@ def download(fs, key: str, dest: Path, expect: dict | None = None) -> tuple:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    dfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    stored.sync_folder(dest.parent)
     return size, crc
 
 

@@ -278,7 +278,7 @@ def crcs(tensors: dict, read, regions: dict | None = None) -> dict:
     """`{name: CRC32C}` of CPU tensors: a file region's CRC read before where the tensor is, now, that region
     of the same version of its file; the rest by `read(names) -> [crc, ...]`, and of those, the ones that
     were such a region before and after the read, remembered. `regions` gets `{name: key}` of those whose
-    CRC is their region's (while `keys` gives a name that key, its CRC is this one)."""
+    CRC is a remembered region's (`still`: while they are those regions, their CRCs are these)."""
     began = time.time_ns()
     where = keys(tensors)
     out = {k: c for k in tensors if (c := _known(where.get(k))) is not None}

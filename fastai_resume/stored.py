@@ -26,6 +26,7 @@ __all__ = [
     "temp_name",
     "remove_dead_temps",
     "publish",
+    "sync_folder",
     "alive",
     "AUTO_NAME",
     "STAGE_END",
@@ -93,16 +94,21 @@ def remove_dead_temps(folder: Path, names=None, adopt=None) -> int:
 
 
 def publish(temp: Path, final: Path) -> None:
-    """A whole checkpoint file put in place as a commit puts it: synced, renamed onto `final` (never over
-    another: `FileExistsError`), the folder synced."""
+    """A whole checkpoint file put in place as a commit puts it: synced, given the name `final` (linked, never
+    over another: `FileExistsError`) and its temporary name removed, the folder synced."""
     fd = os.open(temp, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.link(temp, final)  # (fails where `final` exists; then the temporary name goes)
+    os.link(temp, final)
     os.unlink(temp)
-    fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    sync_folder(final.parent)
+
+
+def sync_folder(folder) -> None:
+    "The folder's entries on the disk (a name just given to a synced file survives a crash)."
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
