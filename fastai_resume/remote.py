@@ -491,7 +491,9 @@ class Uploader:
         if self.what:  # (a sharded fit's rank: its own files)
             newest = f"{self.what}{self.newest} is the newest there" if self.newest else f"it has no {self.what}any"
         else:
-            newest = f"its newest checkpoint is {self.newest}" if self.newest else "it has no checkpoint of this run"
+            newest = (
+                f"its newest checkpoint is {self.newest}" if self.newest else "no upload of this run is confirmed on it"
+            )
         if self.error is not None and self.behind_since is not None:
             why = f"uploads have failed for {_age(now - self.behind_since)}: {reason(self.error)}"
         else:

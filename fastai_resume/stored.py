@@ -72,8 +72,8 @@ def alive(pid) -> bool:
 
 def remove_dead_temps(folder: Path, names=None, adopt=None) -> int:
     """Remove temporary files of saves whose writing process is gone (killed mid-save), for the final
-    names `names` accepts (a callable; all when None), but those `adopt(temp, final)` put in place. A live
-    writer's file is never touched."""
+    names `names` accepts (a callable; all when None), but those `adopt(temp, final)` put in place, and the data
+    logs begun beside a removed one. A live writer's file is never touched."""
     n = 0
     if not folder.is_dir():
         return 0
@@ -89,7 +89,10 @@ def remove_dead_temps(folder: Path, names=None, adopt=None) -> int:
             p.unlink()
             n += 1
         except OSError:
-            pass
+            continue
+        if not (folder / m["name"]).exists():  # the data logs begun beside a save that never was
+            for log in folder.glob(glob.escape(m["name"]) + ".datalog*"):
+                log.unlink(missing_ok=True)
     return n
 
 

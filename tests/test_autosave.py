@@ -128,7 +128,8 @@ def test_a_kill_between_the_last_commit_and_its_retention_is_trimmed_at_autoresu
 def test_a_dead_saves_whole_file_is_put_in_place_one_cut_short_removed_a_live_ones_left(tmp_path, capsys):
     """A save killed after its file was written whole, before it was put in place, leaves it under its temporary
     name: the next start verifies it, syncs it, puts it in place and says so (a SIGKILL loses at most the step
-    in flight). One cut short is removed, never put in place; a live process's is not touched."""
+    in flight). One cut short is removed, never put in place, with the data log begun beside it; a live process's is not
+    touched."""
     cb = fr.AutoCheckpoint(every_iters=20, keep=3, background=False, every_epoch=False)
     learn = build(tmp_path, noise=False, extra_cbs=[cb])
     with learn.no_bar(), learn.no_logging():
@@ -143,6 +144,8 @@ def test_a_dead_saves_whole_file_is_put_in_place_one_cut_short_removed_a_live_on
         newest.rename(whole)
         cut = cb.folder / f".{older.name.replace('i0000000020', 'i0000000030')}.tmp.{gone.pid}.b2"
         cut.write_bytes(older.read_bytes()[:-100])
+        cut_log = cb.folder / (cut.name[1:].split(".tmp.")[0] + ".datalog")  # a stream's log, begun beside it
+        cut_log.write_text("0 30 0123\n")
         other = cb.folder / f".{older.name.replace('i0000000020', 'i0000000010')}.tmp.{live.pid}.c3"
         other.write_bytes(b"being written")
         cb2 = fr.AutoCheckpoint(every_iters=20, keep=3, background=False, every_epoch=False)
@@ -152,7 +155,7 @@ def test_a_dead_saves_whole_file_is_put_in_place_one_cut_short_removed_a_live_on
         out = capsys.readouterr().out
         assert f"AutoCheckpoint: {newest.name} was written whole by a process killed before putting it in place" in out
         assert newest.read_bytes() == data and not whole.exists()
-        assert not cut.exists() and not (cb.folder / cut.name[1:].split(".tmp.")[0]).exists()
+        assert not cut.exists() and not (cb.folder / cut.name[1:].split(".tmp.")[0]).exists() and not cut_log.exists()
         assert other.read_bytes() == b"being written"
         assert re.search(rf"resuming .*{re.escape(newest.name)}.*at epoch 0, iteration 40/", out), out
     finally:

@@ -65,7 +65,9 @@ def test_hf_tutorial_lora_saved_at_every_step_in_the_background_killed_mid_step_
     every = ("--resume", "auto", "--every", "1")
     run_app("llm", tmp_path, tmp_path / "dead.frk", "--die-mid", "0,0,7", *every, expect=-signal.SIGKILL)
     names = sorted(p.name for p in (tmp_path / "models").glob("auto-*-i*.frk"))
-    assert len(names) == 2  # keep=2: retention at every step
+    # keep=2: retention at every step, by the thread that publishes, after its publish: killed between the two,
+    # one more is left (the rerun's retention removes it)
+    assert len(names) in (2, 3), names
     assert int(re.search(r"-i(\d+)\.frk$", names[-1])[1]) in (6, 7)  # killed in the step of batch 8 (i 7)
     log = run_app("llm", tmp_path, tmp_path / "out.frk", *every)
     assert "resuming" in log
