@@ -526,7 +526,6 @@ def everystep(res) -> str:
     labels = {
         "none": "no checkpoint",
         "every 1": "`AutoCheckpoint(every_iters=1)` (default: `background='auto'`, published by a thread)",
-        "every 1 thread": "`every_iters=1, background=True` (published by a thread)",
         "every 1 sync": "`every_iters=1, background=False`",
         "every 10": "`AutoCheckpoint(every_iters=10)` (default)",
         "every 10 sync": "`every_iters=10, background=False`",

@@ -21,6 +21,7 @@ __all__ = [
     "exists",
     "size",
     "remove",
+    "remove_data_logs",
     "remove_unfinished",
     "is_temp",
     "temp_name",
@@ -91,8 +92,7 @@ def remove_dead_temps(folder: Path, names=None, adopt=None) -> int:
         except OSError:
             continue
         if not (folder / m["name"]).exists():  # the data logs begun beside a save that never was
-            for log in folder.glob(glob.escape(m["name"]) + ".datalog*"):
-                log.unlink(missing_ok=True)
+            remove_data_logs(folder / m["name"])
     return n
 
 
@@ -143,19 +143,21 @@ def data_log(path: Path, rank: int) -> Path:
     return path.with_name(path.name + ".datalog" + (f".rank{rank}" if rank else ""))
 
 
+def remove_data_logs(path: Path, listing: list | None = None) -> None:
+    "Remove the data logs of the checkpoint `path`, every rank's (`listing`: the names in its folder, if listed)."
+    if listing is None:
+        logs = list(path.parent.glob(glob.escape(path.name) + ".datalog*"))
+    else:
+        logs = [path.parent / n for n in listing if n.startswith(path.name + ".datalog")]
+    for log in logs:
+        log.unlink(missing_ok=True)
+
+
 def remove(path, listing: list | None = None) -> None:
     """Remove a checkpoint, a file or a folder (its manifest first: from then on it no longer exists), and its
     data logs (`listing`: the names in its folder, where the caller has listed it)."""
     p = Path(path)
-    if listing is None:
-        logs = list(p.parent.glob(glob.escape(p.name) + ".datalog*"))
-    else:
-        logs = [p.parent / n for n in listing if n.startswith(p.name + ".datalog")]
-    for log in logs:
-        try:
-            log.unlink()
-        except FileNotFoundError:
-            pass
+    remove_data_logs(p, listing)
     if not p.is_dir():
         p.unlink()
         return
