@@ -9,6 +9,7 @@ imports too), and only io imports the C core.
 
     _core (csrc/), io.py   the checkpoint format (pickle-free, verified, atomic); the walk of a value tree
     fields.py              the validation kit: checks of a file's values that name the field they refuse
+    pages.py               the kernel's word on this process's pages (PAGEMAP_SCAN, userfaultfd's write protection)
     provenance.py          which tensors' bytes are a file's, unwritten; the CRC32Cs of file regions read
     unwritten.py           which tensors' bytes nothing wrote since they were read (userfaultfd's write protection)
     pth.py                 a torch.save file (a vanilla fastai .pth) read without running code from it

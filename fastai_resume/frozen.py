@@ -132,9 +132,12 @@ def fingerprints(tensors: dict, kinds: dict | None = None) -> dict:
     idents = _idents(tensors, kinds)
     if idents is not None and _LAST and _LAST[0] == idents:  # the same views as the last call's: a save's base
         regions, last = _LAST[1], _LAST[2]
-        if provenance.still(regions, {k: tensors[k] for k in regions}):  # (one scan of each file's pages)
+        if provenance.still(regions, {k: tensors[k] for k in regions}):  # (one scan of the pages)
             rest = {k: t for k, t in tensors.items() if k not in regions}
-            rest = _fingerprints(rest, kinds, {}) if rest else {}
+            more: dict = {}
+            rest = _fingerprints(rest, kinds, more) if rest else {}
+            if more:  # (regions known since: a file settled after the first read)
+                _LAST[1:] = [{**regions, **more}, {**last, **{k: rest[k] for k in more if k in rest}}]
             return {k: rest[k] if k in rest else dict(last[k]) for k in tensors if k in rest or k in last}
     regions = {}
     out = _fingerprints(tensors, kinds, regions)

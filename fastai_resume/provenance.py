@@ -14,6 +14,11 @@ tensors that are not such a region (anonymous memory, a page written, a GPU tens
 
     key(tensor) = (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns, offset, nbytes)
 
+Where userfaultfd's asynchronous write protection is allowed (`pages`), each mapping `keys` asks of is
+write-protected before the pages are asked, and what they proved is kept with it: the next `keys` and `still`
+take it as long as one scan finds none of the mapping's pages written since and the file is the same version
+(the next save of a fine-tune proves its base without walking each page's descriptor).
+
 What was read is remembered in the process, and in a folder (`FASTAI_RESUME_FINGERPRINTS`, by default
 `$XDG_CACHE_HOME/fastai-resume/fingerprints`; empty: none) for files on a local file system of this
 machine (`_shared`: not an image's, not a network's), one file per file version and boot (this
@@ -37,7 +42,8 @@ import time
 
 import numpy as np
 
-from . import io
+from . import io, pages
+from .pages import _IS_FILE, _IS_PRESENT, _IS_SWAPPED, _PAGE, _PAGEMAP_SCAN, _REGION, _SCAN_ARG
 
 try:
     import fcntl
@@ -48,7 +54,6 @@ __all__ = ["crcs", "keys", "forget", "folder", "anonymous"]
 
 ENV = "FASTAI_RESUME_FINGERPRINTS"
 _SETTLED_NS = 2_000_000_000  # a file changed more recently than this is not remembered (timestamp granularity)
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _MEMO: dict = {}  # key -> crc, this process's
 _LOADED: set = set()  # the file versions whose remembered regions were read from the folder
 
@@ -174,11 +179,6 @@ def anonymous(ranges: list) -> list:
         maps.close()
 
 
-# PAGEMAP_SCAN (Linux 6.7): the runs of pages of a range with the categories asked for, one ioctl; where it
-# is not there, the range's entries of /proc/self/pagemap (8 bytes a page), read
-_SCAN_ARG, _REGION = struct.Struct("<12Q"), struct.Struct("<3Q")  # struct pm_scan_arg, struct page_region
-_PAGEMAP_SCAN = (3 << 30) | (_SCAN_ARG.size << 16) | (ord("f") << 8) | 16  # _IOWR('f', 16, struct pm_scan_arg)
-_IS_FILE, _IS_PRESENT, _IS_SWAPPED = 1 << 2, 1 << 3, 1 << 4
 _scan_works = [True]
 # by bits 63..61 of a pagemap entry (present, swapped, a file page): the file's where neither present nor
 # swapped (read from the file when touched), or present as a file page
@@ -242,7 +242,7 @@ def keys(tensors: dict) -> dict:
                 mapping = maps.at(addr)
             if mapping is not None and addr + n <= mapping[1]:
                 groups.setdefault(mapping, []).append((addr, n, k))
-        for (start, _, offset, dev, ino, path), items in groups.items():
+        for (start, end, offset, dev, ino, path), items in groups.items():
             try:
                 st = os.stat(path)
             except OSError:
@@ -251,13 +251,31 @@ def keys(tensors: dict) -> dict:
                 continue  # the path names another file now (the mapped one was replaced)
             first = items[0][0] // _PAGE
             stop = (max(a + n for a, n, _ in items) - 1) // _PAGE + 1
+            version = (dev, ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            w = pages.file_watch(first * _PAGE, (stop - first) * _PAGE)
+            if w is not None and w[2][1] == version and all((addr, n) in w[2][3] for addr, n, _ in items):
+                if pages.file_unwritten(w[0], w[1]):  # (pages watched, none written since the scan: it holds)
+                    out.update({k: w[2][2][(addr, n)] for addr, n, k in items if (addr, n) in w[2][2]})
+                    continue
+            # the whole mapping watched (`pages.watch_file`; watching a part would split it in two), protected
+            # before the scan (a write after it is seen); what was proved of it before is proved again
+            before = [p for _, _, (_, v, p, _) in pages.file_watches(start, end) if v == version]
+            watching = _scan_works[0] and pages.watch_file(start, end)
+            if watching:
+                first, stop = start // _PAGE, end // _PAGE
             copies = _copied(pagemap, first, stop)
             froms = [a for a, _ in copies]
-            for addr, n, k in items:
+            proved = {}
+            asked = [*items, *((addr, n, None) for p in before for addr, n in p)]
+            for addr, n, k in asked:
                 a, b = addr // _PAGE, (addr + n - 1) // _PAGE + 1
                 i = bisect.bisect_left(froms, b) - 1  # the last run of copies that begins before the tensor ends
-                if i < 0 or copies[i][1] <= a:
-                    out[k] = (dev, ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, offset + addr - start, n)
+                if first <= a and b <= stop and (i < 0 or copies[i][1] <= a):
+                    proved[(addr, n)] = (*version, offset + addr - start, n)
+                    if k is not None:
+                        out[k] = proved[(addr, n)]
+            if watching:
+                pages.watched_file(start, end, (path, version, proved, {(addr, n) for addr, n, _ in asked}))
     except OSError:
         return {}
     finally:
@@ -294,8 +312,36 @@ def crcs(tensors: dict, read, regions: dict | None = None) -> dict:
 def still(regions: dict, tensors: dict) -> bool:
     """Whether each tensor of `tensors` is, now, the file region `regions` names (`crcs`' `regions`: a region
     whose CRC32C is remembered, and still is)."""
+    if _watched(regions, tensors):
+        return True
     now = keys(tensors)
     return all(now.get(k) == key and key in _MEMO for k, key in regions.items())
+
+
+def _watched(regions: dict, tensors: dict) -> bool:
+    """`still`, proven without a walk of the file pages' table entries where it can be: each tensor's bytes lie in
+    file pages a `keys` protected (`pages.watch_file`) and proved to be that region, no page of them written
+    since (one scan of the written ones), and each file still the version they were."""
+    ranges: dict = {}
+    for k, key in regions.items():
+        t = tensors[k]
+        if key not in _MEMO or not _mappable(t):
+            return False
+        addr, n = t.data_ptr(), t.numel() * t.element_size()
+        w = pages.file_watch(addr, n)
+        if w is None or w[2][2].get((addr, n)) != key:
+            return False
+        ranges[w[0], w[1]] = w[2]
+    for (lo, hi), (path, version, _, _) in ranges.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != version:
+            return False
+        if not pages.file_unwritten(lo, hi):
+            return False
+    return True
 
 
 def _known(key) -> int | None:

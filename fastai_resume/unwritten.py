@@ -16,6 +16,8 @@ tensor is read again, protected first.
 
     crcs(tensors, read)   {name: CRC32C}: those proven unwritten known, the rest by `read(names)`, and tracked
 
+The protection and the scans are `pages`' (which watches a mapped file's pages the same way, for `provenance`).
+
 Tracked: contiguous CPU tensors of at least `MIN_BYTES` (`FASTAI_RESUME_WRITE_TRACKING=N`: of N bytes; `0`:
 none) in this process's private anonymous memory (`provenance.anonymous`: not a file's pages, which a write to
 the file changes under a private mapping, nor memory shared with another process, which writes through its own
@@ -27,104 +29,13 @@ before 6.7, a seccomp profile that forbids userfaultfd): every such tensor is re
 
 from __future__ import annotations
 
-import ctypes
-import os
-import platform
-import struct
-import threading
-
 import numpy as np
 import torch
 
 from . import provenance
-from .provenance import _IS_PRESENT, _IS_SWAPPED, _PAGE, _PAGEMAP_SCAN, _REGION, _SCAN_ARG
-
-try:
-    import fcntl
-except ImportError:  # (not POSIX: nothing is tracked)
-    fcntl = None  # type: ignore[assignment]
+from .pages import _LOCK, _PAGE, _T, ENV, MIN_BYTES, _Tracker  # noqa: F401  (ENV, MIN_BYTES, _Tracker: its settings)
 
 __all__ = ["crcs", "available", "stats", "ENV", "MIN_BYTES"]
-
-ENV = "FASTAI_RESUME_WRITE_TRACKING"  # "0": nothing tracked; "N": tensors of N bytes or more
-MIN_BYTES = 1 << 16  # smaller tensors are read (by default): a few pages, less than the scans would cost
-_SYSCALL = {"x86_64": 323, "aarch64": 282, "riscv64": 282}.get(platform.machine())  # userfaultfd(2)
-
-
-def _iowr(kind: int, nr: int, size: int) -> int:
-    return (3 << 30) | (size << 16) | (kind << 8) | nr  # (x86-64, arm64, riscv64's ioctl numbering)
-
-
-# <linux/userfaultfd.h>, <linux/fs.h> (defined here: the build machine's headers may predate them)
-_API, _RANGE_MODE, _RANGE_MODE_IOCTLS = struct.Struct("<3Q"), struct.Struct("<3Q"), struct.Struct("<4Q")
-_UFFDIO_API = _iowr(0xAA, 0x3F, _API.size)
-_UFFDIO_REGISTER = _iowr(0xAA, 0x00, _RANGE_MODE_IOCTLS.size)
-_UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x06, _RANGE_MODE.size)
-_USER_MODE_ONLY, _WP_UNPOPULATED, _WP_ASYNC, _MODE_WP = 1, 1 << 13, 1 << 15, 1 << 1
-_WRITTEN = 1 << 1  # PAGE_IS_WRITTEN (PAGEMAP_SCAN's layout and its other categories: `provenance`'s)
-_CHECK_WPASYNC = 1 << 1  # the scan fails (EPERM) where a page of the range is not under asynchronous protection
-
-
-class _Tracker:
-    "This process's userfaultfd and pagemap descriptors, and what it read: (addr, nbytes) -> (crc, lo, hi, edges)."
-
-    def __init__(self) -> None:
-        self.pid, self.uffd, self.pagemap = -1, -1, -1
-        self.known: dict = {}
-        self.reads = self.proven = 0  # tensors read, and known without reading (for tests and benchmarks)
-        self.min_bytes = MIN_BYTES
-
-    def ready(self) -> bool:
-        "Whether tracking works in this process (opened on first use; a forked child opens its own)."
-        if self.pid == os.getpid():
-            return self.uffd >= 0
-        self.pid, self.uffd, self.pagemap, self.known = os.getpid(), -1, -1, {}  # (a parent's are not ours)
-        setting = os.environ.get(ENV, "")
-        self.min_bytes = int(setting) if setting.isdigit() else MIN_BYTES
-        if setting == "0" or fcntl is None or _SYSCALL is None:
-            return False
-        libc = ctypes.CDLL(None, use_errno=True)
-        for flags in (os.O_CLOEXEC | os.O_NONBLOCK | _USER_MODE_ONLY, os.O_CLOEXEC | os.O_NONBLOCK):
-            fd = libc.syscall(_SYSCALL, flags)
-            if fd >= 0:
-                break
-        else:
-            return False
-        try:
-            fcntl.ioctl(fd, _UFFDIO_API, bytearray(_API.pack(0xAA, _WP_ASYNC | _WP_UNPOPULATED, 0)), True)
-            self.pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            os.close(fd)
-            return False
-        self.uffd = fd
-        return True
-
-    def protect(self, lo: int, hi: int) -> bool:
-        "Write-protects the pages [lo, hi) (registering them first); False where they cannot be."
-        try:
-            fcntl.ioctl(self.uffd, _UFFDIO_REGISTER, bytearray(_RANGE_MODE_IOCTLS.pack(lo, hi - lo, _MODE_WP, 0)), True)
-            fcntl.ioctl(self.uffd, _UFFDIO_WRITEPROTECT, bytearray(_RANGE_MODE.pack(lo, hi - lo, 1)), True)
-        except OSError:
-            return False
-        return True
-
-    def untouched(self, lo: int, hi: int) -> bool:
-        """Whether every page of [lo, hi) is still protected and still there (present or swapped out): nothing
-        wrote it since `protect`, nothing dropped it."""
-        vec = ctypes.create_string_buffer(_REGION.size)
-        there = _IS_PRESENT | _IS_SWAPPED
-        for inverted, mask in ((0, _WRITTEN), (there, there)):  # written; dropped (neither present nor swapped)
-            arg = _SCAN_ARG.pack(_SCAN_ARG.size, _CHECK_WPASYNC, lo, hi, 0, ctypes.addressof(vec), 1, 0, inverted,
-                                 mask, 0, mask)  # fmt: skip
-            try:
-                if fcntl.ioctl(self.pagemap, _PAGEMAP_SCAN, bytearray(arg), True) != 0:
-                    return False
-            except OSError:
-                return False
-        return True
-
-
-_T = _Tracker()
 
 
 def available() -> bool:
@@ -154,9 +65,6 @@ def _span(addr: int, n: int) -> tuple:
 def _edges(b: np.ndarray, addr: int, lo: int, hi: int) -> bytes:
     "The bytes of `b` (at `addr`) outside its whole pages [lo, hi): those no protection covers."
     return b[: lo - addr].tobytes() + b[hi - addr :].tobytes()
-
-
-_LOCK = threading.Lock()  # (one fingerprint pass at a time: what is known, and what protecting forgets)
 
 
 def crcs(tensors: dict, read) -> dict:
