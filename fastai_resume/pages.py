@@ -6,7 +6,7 @@ file are still the file's, `unwritten` which of a copy in memory nothing wrote: 
 
     _T                 this process's userfaultfd and pagemap descriptors (`protect`, `untouched`), opened on first use
     watch_file(lo, hi) a mapped file's pages protected (`provenance.keys`, before it asks which are the file's), and
-    file_unwritten     whether none of them was written since (the next save's proof, one scan)
+    file_written       which of them were written since (each a copy now: the next save's proof, one scan)
 
 Protecting a page not mapped (or mapped as part of a huge page) leaves a marker in its place, which a scan
 reports as swapped out (a copy, not the file's): `watch_file` reads each such page in (the file's, still
@@ -28,7 +28,7 @@ try:
 except ImportError:  # (not POSIX: nothing is protected)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["watch_file", "watched_file", "file_watches", "file_watch", "file_unwritten", "ENV", "MIN_BYTES"]
+__all__ = ["watch_file", "watched_file", "file_watches", "file_watch", "file_written", "ENV", "MIN_BYTES"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # PAGEMAP_SCAN (Linux 6.7): the runs of pages of a range with the categories asked for, one ioctl (where it is not
@@ -53,7 +53,9 @@ _UFFDIO_REGISTER = _iowr(0xAA, 0x00, _RANGE_MODE_IOCTLS.size)
 _UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x06, _RANGE_MODE.size)
 _USER_MODE_ONLY, _WP_UNPOPULATED, _WP_ASYNC, _MODE_WP = 1, 1 << 13, 1 << 15, 1 << 1
 _WRITTEN = 1 << 1  # PAGE_IS_WRITTEN
-_CHECK_WPASYNC = 1 << 1  # the scan fails (EPERM) where a page of the range is not under asynchronous protection
+_CHECK_WPASYNC = (
+    1 << 1
+)  # the scan fails (EPERM) where a mapping of the range is not registered for asynchronous protection
 
 
 class _Tracker:
@@ -93,7 +95,14 @@ class _Tracker:
         return True
 
     def protect(self, lo: int, hi: int) -> bool:
-        "Write-protects the pages [lo, hi) (registering them first); False where they cannot be."
+        """Write-protects the pages [lo, hi) (registering them first); False where they cannot be. What was known of
+        any range it overlaps is forgotten first (protecting again erases the pages' evidence of a write; and the
+        same addresses may hold other memory now: a file mapped where a freed tensor was)."""
+        for key, seen in list(self.known.items()):
+            if seen[1] < hi and lo < seen[2]:
+                del self.known[key]
+        for r in [r for r in self.files if r[0] < hi and lo < r[1]]:
+            del self.files[r]
         try:
             fcntl.ioctl(self.uffd, _UFFDIO_REGISTER, bytearray(_RANGE_MODE_IOCTLS.pack(lo, hi - lo, _MODE_WP, 0)), True)
             fcntl.ioctl(self.uffd, _UFFDIO_WRITEPROTECT, bytearray(_RANGE_MODE.pack(lo, hi - lo, 1)), True)
@@ -101,14 +110,12 @@ class _Tracker:
             return False
         return True
 
-    def untouched(self, lo: int, hi: int, dropped: bool = True) -> bool:
+    def untouched(self, lo: int, hi: int) -> bool:
         """Whether every page of [lo, hi) is still protected and still there (present or swapped out): nothing
-        wrote it since `protect`, nothing dropped it (`dropped=False`: not asked; a file's page dropped reads
-        as the file's again)."""
+        wrote it since `protect`, nothing dropped it."""
         vec = ctypes.create_string_buffer(_REGION.size)
         there = _IS_PRESENT | _IS_SWAPPED
-        scans = ((0, _WRITTEN), (there, there)) if dropped else ((0, _WRITTEN),)
-        for inverted, mask in scans:  # written; dropped (neither present nor swapped)
+        for inverted, mask in ((0, _WRITTEN), (there, there)):  # written; dropped (neither present nor swapped)
             arg = _SCAN_ARG.pack(_SCAN_ARG.size, _CHECK_WPASYNC, lo, hi, 0, ctypes.addressof(vec), 1, 0, inverted,
                                  mask, 0, mask)  # fmt: skip
             try:
@@ -124,7 +131,7 @@ _T = _Tracker()
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _MADV_POPULATE_READ = 22  # (Linux 5.14)
-_LOCK = threading.Lock()  # (one pass at a time: what is known, and what protecting forgets)
+_LOCK = threading.RLock()  # (one pass at a time: what is known, and what protecting forgets; held by callers too)
 
 
 def watch_file(lo: int, hi: int) -> bool:
@@ -133,8 +140,6 @@ def watch_file(lo: int, hi: int) -> bool:
     with _LOCK:
         if not _T.ready():
             return False
-        for r in [r for r in _T.files if r[0] < hi and lo < r[1]]:
-            del _T.files[r]
         if not _T.protect(lo, hi):
             return False
         # protecting a page not mapped (or mapped as part of a huge page) leaves a marker in its place, which a scan
@@ -152,21 +157,41 @@ def watched_file(lo: int, hi: int, proved) -> None:
 
 
 def file_watches(lo: int, hi: int) -> list:
-    "`[(lo, hi, proved)]`: the watched file pages that overlap [lo, hi)."
+    "`[(lo, hi, proved)]`: the watched file pages that overlap [lo, hi) (callers hold `_LOCK`)."
     return [(a, b, proved) for (a, b), proved in _T.files.items() if a < hi and lo < b]
 
 
 def file_watch(addr: int, n: int) -> tuple | None:
     """`(lo, hi, proved)`: the watched file pages that hold the bytes [addr, addr + n), and what was proved of them
-    (None: none do)."""
+    (None: none do; callers hold `_LOCK`)."""
     for (lo, hi), proved in _T.files.items():
         if lo <= addr and addr + n <= hi:
             return lo, hi, proved
     return None
 
 
-def file_unwritten(lo: int, hi: int) -> bool:
-    """Whether nothing wrote the watched file pages [lo, hi) since `watch_file` (a write gives the process its own
-    copy of a page: no longer the file's; a page dropped is read from the file again, so it is not asked)."""
+def file_written(lo: int, hi: int) -> list | None:
+    """The runs `(from, to)` of pages (page numbers) of the watched file pages [lo, hi) written since `watch_file`
+    (each now this process's own copy, no longer the file's); None where it cannot be told (not watched here, its
+    protection gone: the mapping unmapped or replaced). A page dropped since may count as written (read again)."""
     with _LOCK:
-        return _T.pid == os.getpid() and (lo, hi) in _T.files and _T.untouched(lo, hi, dropped=False)
+        if _T.pid != os.getpid() or (lo, hi) not in _T.files:
+            return None
+        out, at = [], lo
+        vec = ctypes.create_string_buffer(_REGION.size * 64)
+        while at < hi:
+            arg = bytearray(_SCAN_ARG.pack(_SCAN_ARG.size, _CHECK_WPASYNC, at, hi, 0, ctypes.addressof(vec), 64, 0, 0,
+                                           _WRITTEN, 0, _WRITTEN))  # fmt: skip
+            try:
+                n = fcntl.ioctl(_T.pagemap, _PAGEMAP_SCAN, arg, True)
+            except OSError:
+                return None
+            out += [
+                (a // _PAGE, -(-b // _PAGE))
+                for a, b, _ in (_REGION.unpack_from(vec, i * _REGION.size) for i in range(n))
+            ]
+            walked = _SCAN_ARG.unpack(arg)[4]
+            if walked <= at:
+                return None
+            at = walked
+        return out

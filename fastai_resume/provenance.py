@@ -242,40 +242,9 @@ def keys(tensors: dict) -> dict:
                 mapping = maps.at(addr)
             if mapping is not None and addr + n <= mapping[1]:
                 groups.setdefault(mapping, []).append((addr, n, k))
-        for (start, end, offset, dev, ino, path), items in groups.items():
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) != (dev, ino):
-                continue  # the path names another file now (the mapped one was replaced)
-            first = items[0][0] // _PAGE
-            stop = (max(a + n for a, n, _ in items) - 1) // _PAGE + 1
-            version = (dev, ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            w = pages.file_watch(first * _PAGE, (stop - first) * _PAGE)
-            if w is not None and w[2][1] == version and all((addr, n) in w[2][3] for addr, n, _ in items):
-                if pages.file_unwritten(w[0], w[1]):  # (pages watched, none written since the scan: it holds)
-                    out.update({k: w[2][2][(addr, n)] for addr, n, k in items if (addr, n) in w[2][2]})
-                    continue
-            # the whole mapping watched (`pages.watch_file`; watching a part would split it in two), protected
-            # before the scan (a write after it is seen); what was proved of it before is proved again
-            before = [p for _, _, (_, v, p, _) in pages.file_watches(start, end) if v == version]
-            watching = _scan_works[0] and pages.watch_file(start, end)
-            if watching:
-                first, stop = start // _PAGE, end // _PAGE
-            copies = _copied(pagemap, first, stop)
-            froms = [a for a, _ in copies]
-            proved = {}
-            asked = [*items, *((addr, n, None) for p in before for addr, n in p)]
-            for addr, n, k in asked:
-                a, b = addr // _PAGE, (addr + n - 1) // _PAGE + 1
-                i = bisect.bisect_left(froms, b) - 1  # the last run of copies that begins before the tensor ends
-                if first <= a and b <= stop and (i < 0 or copies[i][1] <= a):
-                    proved[(addr, n)] = (*version, offset + addr - start, n)
-                    if k is not None:
-                        out[k] = proved[(addr, n)]
-            if watching:
-                pages.watched_file(start, end, (path, version, proved, {(addr, n) for addr, n, _ in asked}))
+        for mapping, items in groups.items():
+            with pages._LOCK:  # (a watch's protection, scan and record, one pass at a time)
+                _file_keys(out, pagemap, mapping, items)
     except OSError:
         return {}
     finally:
@@ -283,6 +252,52 @@ def keys(tensors: dict) -> dict:
             maps.close()
         os.close(pagemap)
     return out
+
+
+def _on(runs: list, addr: int, n: int) -> bool:
+    "Whether any page of the bytes [addr, addr + n) is in one of `runs` (`(from, to)` page numbers, in order)."
+    a, b = addr // _PAGE, (addr + n - 1) // _PAGE + 1
+    i = bisect.bisect_left(runs, (b,)) - 1  # the last run that begins before the bytes end
+    return i >= 0 and runs[i][1] > a
+
+
+def _file_keys(out: dict, pagemap: int, mapping: tuple, items: list) -> None:
+    """`keys` of `items` (`(addr, nbytes, name)`, in order) in the file mapping `(start, end, offset, dev, ino,
+    path)`, into `out`. Where it can, the whole mapping is watched (`pages.watch_file`; a part would split it in
+    two), protected before its pages are asked (a write after that is seen), and what they proved is kept with it:
+    the next call takes it, less the tensors on pages written since (each a copy now), while the file is the
+    same version. Called with `pages._LOCK` held."""
+    start, end, offset, dev, ino, path = mapping
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if (st.st_dev, st.st_ino) != (dev, ino):
+        return  # the path names another file now (the mapped one was replaced)
+    first = items[0][0] // _PAGE
+    stop = (max(a + n for a, n, _ in items) - 1) // _PAGE + 1
+    version = (dev, ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    w = pages.file_watch(first * _PAGE, (stop - first) * _PAGE)
+    if w is not None and w[2][1] == version and all((addr, n) in w[2][3] for addr, n, _ in items):
+        written = pages.file_written(w[0], w[1])
+        if written is not None:
+            proved = w[2][2]
+            out.update({k: proved[a, n] for a, n, k in items if (a, n) in proved and not _on(written, a, n)})
+            return
+    before = [p for _, _, (_, v, p, _) in pages.file_watches(start, end) if v == version]  # (proved again below)
+    watching = _scan_works[0] and pages.watch_file(start, end)
+    if watching:
+        first, stop = start // _PAGE, end // _PAGE
+    copies = _copied(pagemap, first, stop)
+    proved = {}
+    asked = [*items, *((addr, n, None) for p in before for addr, n in p)]
+    for addr, n, k in asked:
+        if first <= addr // _PAGE and (addr + n - 1) // _PAGE < stop and not _on(copies, addr, n):
+            proved[(addr, n)] = (*version, offset + addr - start, n)
+            if k is not None:
+                out[k] = proved[(addr, n)]
+    if watching:
+        pages.watched_file(start, end, (path, version, proved, {(addr, n) for addr, n, _ in asked}))
 
 
 def _mappable(t) -> bool:
@@ -320,28 +335,30 @@ def still(regions: dict, tensors: dict) -> bool:
 
 def _watched(regions: dict, tensors: dict) -> bool:
     """`still`, proven without a walk of the file pages' table entries where it can be: each tensor's bytes lie in
-    file pages a `keys` protected (`pages.watch_file`) and proved to be that region, no page of them written
-    since (one scan of the written ones), and each file still the version they were."""
-    ranges: dict = {}
-    for k, key in regions.items():
-        t = tensors[k]
-        if key not in _MEMO or not _mappable(t):
-            return False
-        addr, n = t.data_ptr(), t.numel() * t.element_size()
-        w = pages.file_watch(addr, n)
-        if w is None or w[2][2].get((addr, n)) != key:
-            return False
-        ranges[w[0], w[1]] = w[2]
-    for (lo, hi), (path, version, _, _) in ranges.items():
-        try:
-            st = os.stat(path)
-        except OSError:
-            return False
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != version:
-            return False
-        if not pages.file_unwritten(lo, hi):
-            return False
-    return True
+    a mapping a `keys` watched and proved them that region in (`_file_keys`), none of their pages written since
+    (one scan of the written ones), and each file still the version it was."""
+    with pages._LOCK:
+        ranges: dict = {}
+        for k, key in regions.items():
+            t = tensors[k]
+            if key not in _MEMO or not _mappable(t):
+                return False
+            addr, n = t.data_ptr(), t.numel() * t.element_size()
+            w = pages.file_watch(addr, n)
+            if w is None or w[2][2].get((addr, n)) != key:
+                return False
+            ranges.setdefault((w[0], w[1]), (w[2], []))[1].append((addr, n))
+        for (lo, hi), ((path, version, _, _), spans) in ranges.items():
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != version:
+                return False
+            written = pages.file_written(lo, hi)
+            if written is None or any(_on(written, addr, n) for addr, n in spans):
+                return False
+        return True
 
 
 def _known(key) -> int | None:

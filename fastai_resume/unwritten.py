@@ -97,10 +97,7 @@ def _crcs(tensors: dict, read) -> dict:
         t = tensors[k]
         addr, n = t.data_ptr(), t.numel() * t.element_size()
         if anonymous[k] and _T.protect(lo, hi):  # before the read: writes are seen
-            tracked[k] = (addr, n, lo, hi, _edges(_view(t), addr, lo, hi))
-            for key, seen in list(_T.known.items()):  # protecting again erased the pages' evidence of a write:
-                if seen[1] < hi and lo < seen[2]:  # what was known of them (another view of the same bytes) goes
-                    del _T.known[key]
+            tracked[k] = (addr, n, lo, hi, _edges(_view(t), addr, lo, hi))  # (what was known of its pages: forgotten)
     got = dict(zip(todo, read(todo))) if todo else {}
     if len(_T.known) > 100_000:  # (tensors long freed: forget them all, read once more)
         _T.known.clear()

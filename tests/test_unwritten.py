@@ -205,3 +205,36 @@ def test_memory_another_process_can_write_is_not_tracked_but_read_each_time(tmp_
     assert now["mapped"] != first["mapped"]
     del mapped, tensors
     m.close()
+
+
+def test_a_file_mapped_where_a_tracked_tensor_was_is_read_not_taken_for_it(tmp_path):
+    """A tracked tensor's memory unmapped and a file mapped at the same addresses (a freed copy, then a base loaded
+    where it was): once `provenance` watches the file's pages (protected, as the tensor's were), what `unwritten`
+    knew of those addresses is not the file's bytes: protecting them forgets it, and the bytes are read."""
+    from fastai_resume import pages, provenance
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    n, rw, private, anonymous, fixed = 1 << 18, 0x1 | 0x2, 0x02, 0x20, 0x10
+    addr = libc.mmap(None, n, rw, private | anonymous, -1, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    ctypes.memmove(addr, os.urandom(n), n)
+    t = torch.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=torch.uint8)
+    first = unwritten.crcs({"w": t}, _crc_read({"w": t}))
+    before = unwritten.stats()
+    assert unwritten.crcs({"w": t}, _crc_read({"w": t})) == first  # tracked: proven, not read
+    assert unwritten.stats()["proven"] == before["proven"] + 1
+    (tmp_path / "f").write_bytes(os.urandom(n))
+    fd = os.open(tmp_path / "f", os.O_RDWR)
+    try:
+        assert libc.mmap(addr, n, rw, private | fixed, fd, 0) == addr  # the file, where the tensor's memory was
+        assert provenance.keys({"w": t}) and pages.file_watch(addr, n) is not None  # its pages watched
+        reads = unwritten.stats()["reads"]
+        now = unwritten.crcs({"w": t}, _crc_read({"w": t}))
+        assert now == {"w": io.crc32c((tmp_path / "f").read_bytes())} != first
+        assert unwritten.stats()["reads"] == reads + 1
+    finally:
+        del t
+        os.close(fd)
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(n))
